@@ -1,0 +1,69 @@
+"""Start a function on N local ranks with torch's own elastic launcher (what torchrun uses).
+
+Commands such as ``tlt convert --tp 2`` need a world of tp x pp processes. Under torchrun with the
+right world size the function simply runs in place; otherwise ``elastic_launch`` spawns the ranks
+on this node. Each rank gets an equal share of the cores so ranks do not oversubscribe them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+class WorkerFailed(RuntimeError):
+    """A launched rank raised; the message is the root cause reported by that rank."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _threads_per_rank(nprocs: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nprocs)
+
+
+def _run_rank(fn: Callable, threads: int, args: tuple) -> Any:
+    import torch
+
+    torch.set_num_threads(threads)
+    return fn(*args)
+
+
+def launched_world_size() -> int | None:
+    """The world size torchrun started us with, or None outside torchrun."""
+    return int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def run_on_ranks(fn: Callable, nprocs: int, *args: Any) -> dict[int, Any]:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks; returns {rank: return value}.
+
+    ``fn`` must be importable (a module-level function): ranks are spawned, not forked.
+    """
+    if nprocs == 1 or launched_world_size() == nprocs:
+        return {int(os.environ.get("RANK", 0)): fn(*args)}
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        return elastic_launch(config, _run_rank)(fn, _threads_per_rank(nprocs), args)
+    except ChildFailedError as err:
+        _, first = err.get_first_failure()
+        message = first.message.get("message") if isinstance(first.message, dict) else first.message
+        raise WorkerFailed(str(message or err).strip().splitlines()[-1]) from None

@@ -1,0 +1,255 @@
+"""The one adapter to Megatron-Core: build the policy, run its schedules, save and load it.
+
+Nothing else in megatron_tlt imports ``megatron.core`` (the CPU shim aside), so an upgrade of
+Megatron-Core touches this file only. The policy uses Megatron's *local* layer spec (pure PyTorch
+modules), which runs on CPU and GPU alike; parameter names therefore follow that spec
+(``linear_qkv``, ``linear_fc1``, ``input_layernorm`` ...), and ``weights.py`` maps them to HF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+
+from megatron_tlt.model_config import PolicyArchitecture
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageInfo:
+    """Where this rank's model piece sits in the tensor/pipeline layout."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+# ----------------------------------------------------------------------------- parallel state
+
+
+def initialize_model_parallel(*, tensor_parallel_size: int, pipeline_parallel_size: int, seed: int) -> None:
+    """Create Megatron's TP/PP/DP groups on the already-initialised default process group."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size,
+    )
+    # Megatron's seed gives each TP rank its own stream; the CPU generator is seeded after it so that
+    # data-parallel replicas initialise identical weights (see DESIGN.md section 3).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    parallel_state.destroy_model_parallel()
+
+
+def stage_info() -> StageInfo:
+    return StageInfo(
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+
+
+def data_parallel_group(with_context_parallel: bool = False):
+    return parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def transformer_config(arch: PolicyArchitecture, *, dtype: str = "float32", **overrides: Any) -> TransformerConfig:
+    """Megatron's TransformerConfig for a Llama/Qwen2 decoder at the current parallel layout."""
+    params_dtype = DTYPES[dtype]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=params_dtype,
+        params_dtype=params_dtype,
+        bf16=params_dtype is torch.bfloat16,
+        fp16=params_dtype is torch.float16,
+        # Fusions are CUDA kernels; the unfused paths compute the same function.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        # Weights are loaded from checkpoints; CPU init keeps TP=1 and TP=2 bit-identical anyway.
+        use_cpu_initialization=not on_gpu,
+        **overrides,
+    )
+
+
+def _apply_llama3_rope_scaling(model: GPTModel, arch: PolicyArchitecture) -> None:
+    """Megatron hard-codes Llama-3.1's low/high frequency factors; use the config's own."""
+    if arch.rope_scaling is None or not hasattr(model, "rotary_pos_emb"):
+        return
+    rope = model.rotary_pos_emb
+    dim = arch.head_dim
+    base = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rope.inv_freq.device) / dim))
+    s = arch.rope_scaling
+    rope.inv_freq = rope._apply_scaling(
+        base,
+        factor=s.factor,
+        low_freq_factor=s.low_freq_factor,
+        high_freq_factor=s.high_freq_factor,
+        original_max_position_embeddings=s.original_max_position_embeddings,
+    )
+    rope.forward.cache_clear()  # forward is lru_cached on sequence length
+
+
+def build_gpt_model(arch: PolicyArchitecture, *, dtype: str = "float32", padded_vocab_size: int) -> GPTModel:
+    """This rank's stage of the policy as a Megatron GPTModel (local layer spec)."""
+    config = transformer_config(arch, dtype=dtype)
+    stage = stage_info()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=padded_vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=stage.is_first_stage,
+        post_process=stage.is_last_stage,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        rope_scaling=arch.rope_scaling is not None,
+    )
+    _apply_llama3_rope_scaling(model, arch)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside DDP/Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True) -> DistributedDataParallel:
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: float = 0.0,
+                    clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999):
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2,
+        params_dtype=model.config.params_dtype,
+        bf16=model.config.bf16,
+        fp16=model.config.fp16,
+        use_distributed_optimizer=False,
+    )
+    return get_megatron_optimizer(config, [model])
+
+
+# ----------------------------------------------------------------------------- schedules
+
+ForwardStep = Callable[[Iterator, torch.nn.Module], tuple[torch.Tensor, Callable]]
+
+
+def run_schedule(model: torch.nn.Module, forward_step: ForwardStep, microbatches: list[Any], *,
+                 seq_length: int, micro_batch_size: int, forward_only: bool) -> list[Any]:
+    """Megatron's forward(/backward) schedule over ``microbatches`` (1F1B when PP > 1).
+
+    Returns what the loss function reported for each micro-batch on the last pipeline stage
+    (an empty list on the other stages).
+    """
+    forward_backward = get_forward_backward_func()
+    return forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def position_ids_like(input_ids: torch.Tensor) -> torch.Tensor:
+    b, s = input_ids.shape
+    return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+
+
+def gather_vocab_logits(logits_bsv: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full-vocabulary logits from this rank's vocab-parallel shard, padding rows dropped."""
+    full = tensor_parallel.gather_from_tensor_model_parallel_region(logits_bsv)
+    return full[..., :vocab_size]
+
+
+def vocab_parallel_cross_entropy(logits_bsv: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy computed on vocab-parallel logits without gathering them."""
+    return tensor_parallel.vocab_parallel_cross_entropy(logits_bsv.float().transpose(0, 1).contiguous(),
+                                                        labels_bs.transpose(0, 1).contiguous()).transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save_distributed(model: torch.nn.Module, checkpoint_dir: str | Path) -> None:
+    """Write this rank's shards of the model into a Megatron distributed checkpoint (collective)."""
+    Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(unwrap(model).sharded_state_dict(), str(checkpoint_dir))
+
+
+def load_distributed(model: torch.nn.Module, checkpoint_dir: str | Path) -> None:
+    """Fill the model from a distributed checkpoint written at any TP/PP layout (collective)."""
+    target = unwrap(model)
+    state = dist_checkpointing.load(target.sharded_state_dict(), str(checkpoint_dir))
+    target.load_state_dict(state, strict=True)
+
+
+def checkpoint_keys(checkpoint_dir: str | Path) -> Iterable[str]:
+    """The tensor names stored in a distributed checkpoint (reads metadata only)."""
+    return dist_checkpointing.load_tensors_metadata(str(checkpoint_dir)).keys()

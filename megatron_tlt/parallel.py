@@ -1,0 +1,98 @@
+"""ParallelLayout: the one object that owns process groups and Megatron's parallel state.
+
+It initialises ``torch.distributed`` (NCCL on GPU, gloo on CPU) from torchrun's environment, or as
+a world of one when a command runs without torchrun, switches on the CPU compatibility layer when
+CUDA is absent, and creates Megatron's tensor/pipeline/data-parallel groups. No other module reads
+``RANK``/``WORLD_SIZE`` or initialises Megatron state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from megatron_tlt import cpu_compat
+
+
+class LayoutError(ValueError):
+    """A parallel layout that does not fit the world it is launched into."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelLayout:
+    """Tensor x pipeline x data parallel sizes of one run; world = tp * pp * dp."""
+
+    tensor_parallel_size: int = 1
+    """Ranks that split each weight matrix (Megatron TP)."""
+    pipeline_parallel_size: int = 1
+    """Ranks that split the layer stack into stages (Megatron PP)."""
+    seed: int = 1234
+    """Base seed; Megatron derives the per-TP-rank streams from it."""
+
+    rank: int = dataclasses.field(init=False, default=0)
+    world_size: int = dataclasses.field(init=False, default=1)
+    initialized_here: bool = dataclasses.field(init=False, default=False)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+
+    @property
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def initialize(self) -> "ParallelLayout":
+        """Join (or create) the default process group and build Megatron's groups."""
+        from megatron_tlt import mcore  # imports megatron.core: only after the CPU shim decision
+
+        cpu_compat.enable()
+        if not dist.is_initialized():
+            if "RANK" not in os.environ:  # a plain command: a world of one
+                os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(_free_port()))
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+            self.initialized_here = True
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.world_size % model_parallel:
+            raise LayoutError(
+                f"world size {self.world_size} is not a multiple of tensor_parallel_size "
+                f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size}"
+            )
+        mcore.initialize_model_parallel(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            seed=self.seed,
+        )
+        return self
+
+    def close(self) -> None:
+        """Tear down Megatron's groups and, if we created it, the default group."""
+        from megatron_tlt import mcore
+
+        mcore.destroy_model_parallel()
+        if self.initialized_here and dist.is_initialized():
+            dist.destroy_process_group()
+            self.initialized_here = False
+
+    def __enter__(self) -> "ParallelLayout":
+        return self.initialize()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,152 @@
+"""The policy on this rank: build it, fill it from HF tensors, save/load Megatron checkpoints.
+
+A Megatron checkpoint directory written by megatron-tlt holds
+  ``model/``            the Megatron distributed checkpoint (loadable at any TP/PP layout);
+  ``tlt_checkpoint.json`` what is needed to rebuild the model: the HF config, the padded
+                        vocabulary size, the dtype and the layout it was written from;
+  tokenizer files       copied from the source model so the directory is self-contained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_tlt import mcore, weights
+from megatron_tlt.hf_io import CheckpointError
+from megatron_tlt.model_config import PolicyArchitecture, architecture_from_dict
+
+META_FILE = "tlt_checkpoint.json"
+MODEL_SUBDIR = "model"
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicyCheckpointMeta:
+    """Contents of ``tlt_checkpoint.json``."""
+
+    format_version: int
+    hf_config: dict[str, Any]
+    padded_vocab_size: int
+    dtype: str
+    saved_tensor_parallel_size: int
+    saved_pipeline_parallel_size: int
+
+    @property
+    def arch(self) -> PolicyArchitecture:
+        return architecture_from_dict(self.hf_config, source=META_FILE)
+
+    def write(self, ckpt_dir: Path) -> None:
+        (ckpt_dir / META_FILE).write_text(json.dumps(dataclasses.asdict(self), indent=2))
+
+    @classmethod
+    def read(cls, ckpt_dir: str | Path) -> "PolicyCheckpointMeta":
+        ckpt_dir = Path(ckpt_dir)
+        path = ckpt_dir / META_FILE
+        if not path.is_file():
+            raise CheckpointError(f"{ckpt_dir}: not a megatron-tlt checkpoint ({META_FILE} missing)")
+        if not (ckpt_dir / MODEL_SUBDIR / "metadata.json").is_file():
+            raise CheckpointError(f"{ckpt_dir}: distributed checkpoint '{MODEL_SUBDIR}/' is missing or incomplete")
+        try:
+            raw = json.loads(path.read_text())
+            meta = cls(**raw)
+        except (json.JSONDecodeError, TypeError) as err:
+            raise CheckpointError(f"{path}: unreadable checkpoint metadata ({err})") from None
+        if meta.format_version != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format version {meta.format_version}, expected {FORMAT_VERSION}")
+        return meta
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in mcore.DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}; supported: {sorted(mcore.DTYPES)}")
+
+
+def _local_parameter_names(model: torch.nn.Module) -> list[str]:
+    return [name for name in mcore.unwrap(model).state_dict() if not name.endswith("_extra_state")]
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, arch: PolicyArchitecture, get_hf: weights.TensorGetter,
+                    padded_vocab_size: int) -> None:
+    """Copy HF tensors into this rank's (TP slice, PP stage) of the Megatron model."""
+    stage = mcore.stage_info()
+    layers_per_stage = arch.num_layers // stage.pp_size
+    state = mcore.unwrap(model).state_dict()
+    for name in _local_parameter_names(model):
+        full_name = weights.global_name(name, stage.pp_rank, layers_per_stage)
+        full = weights.to_megatron_full(arch, full_name, get_hf, padded_vocab_size)
+        shard = weights.shard_for_tp(full_name, full, stage.tp_rank, stage.tp_size)
+        target = state[name]
+        if shard.shape != target.shape:
+            raise CheckpointError(f"{name}: checkpoint gives shape {tuple(shard.shape)}, model expects {tuple(target.shape)}")
+        target.copy_(shard)
+
+
+def hf_state_dict(model: torch.nn.Module, arch: PolicyArchitecture) -> dict[str, torch.Tensor]:
+    """HF tensors of a whole (TP=1, PP=1) model."""
+    stage = mcore.stage_info()
+    if stage.tp_size != 1 or stage.pp_size != 1:
+        raise ValueError("hf_state_dict needs the whole model on one rank (TP=1, PP=1)")
+    state = mcore.unwrap(model).state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for name in weights.megatron_names(arch):
+        for hf_name, tensor in weights.to_hf(arch, name, state[name]):
+            out[hf_name] = tensor.detach().clone()
+    return out
+
+
+def build_policy(arch: PolicyArchitecture, *, dtype: str, padded_vocab_size: int) -> torch.nn.Module:
+    return mcore.build_gpt_model(arch, dtype=dtype, padded_vocab_size=padded_vocab_size)
+
+
+def save_policy_checkpoint(model: torch.nn.Module, ckpt_dir: Path, meta: PolicyCheckpointMeta) -> None:
+    """Collective: every rank writes its shards; rank 0 writes the metadata."""
+    mcore.save_distributed(model, ckpt_dir / MODEL_SUBDIR)
+    if torch.distributed.get_rank() == 0:
+        meta.write(ckpt_dir)
+
+
+def load_policy_checkpoint(ckpt_dir: str | Path, *, dtype: str | None = None) -> tuple[torch.nn.Module, PolicyCheckpointMeta]:
+    """Build this rank's policy stage at the current layout and fill it from ``ckpt_dir``."""
+    meta = PolicyCheckpointMeta.read(ckpt_dir)
+    arch = meta.arch
+    stage = mcore.stage_info()
+    arch.validate_layout(tensor_parallel_size=stage.tp_size, pipeline_parallel_size=stage.pp_size)
+    if meta.padded_vocab_size % stage.tp_size:
+        raise CheckpointError(
+            f"{ckpt_dir}: padded vocabulary {meta.padded_vocab_size} is not divisible by tensor parallel size {stage.tp_size}"
+        )
+    model = build_policy(arch, dtype=dtype or meta.dtype, padded_vocab_size=meta.padded_vocab_size)
+    mcore.load_distributed(model, Path(ckpt_dir) / MODEL_SUBDIR)
+    return model, meta
+
+
+@torch.no_grad()
+def forward_logits(model: torch.nn.Module, input_ids_bs: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """Full-vocabulary logits [b, s, vocab] of the policy, through Megatron's pipeline schedule.
+
+    Collective over the model-parallel ranks; returns the logits on the last pipeline stage and
+    None on the others.
+    """
+    model.eval()
+    collected: list[torch.Tensor] = []
+
+    def loss_fn(output_bsv: torch.Tensor):
+        collected.append(mcore.gather_vocab_logits(output_bsv, vocab_size))
+        return output_bsv.new_zeros(()), {}
+
+    def forward_step(data_iterator, stage_model):
+        input_ids = next(data_iterator)
+        output = stage_model(input_ids, mcore.position_ids_like(input_ids), None)
+        return output, loss_fn
+
+    b, s = input_ids_bs.shape
+    mcore.run_schedule(model, forward_step, [input_ids_bs], seq_length=s, micro_batch_size=b, forward_only=True)
+    return collected[0] if collected else None

