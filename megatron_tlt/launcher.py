@@ -27,6 +27,32 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Harmless notices printed by every process that imports Megatron-Core or loads a dist checkpoint:
+# optional fused kernels we do not use, and deprecations inside torch.distributed.checkpoint.
+# Literal message prefixes (no regex characters, commas or colons), valid in PYTHONWARNINGS too.
+_KNOWN_DEPENDENCY_WARNINGS = (
+    "Apex is not installed",
+    "Transformer Engine and Apex are not installed",
+    "full scope is deprecated",
+    "`load_state_dict` is deprecated",
+    "Please use DTensor instead",
+)
+
+
+def silence_known_dependency_warnings() -> None:
+    """Filter them in this process and, through PYTHONWARNINGS, in the ranks it spawns."""
+    import warnings
+
+    for prefix in _KNOWN_DEPENDENCY_WARNINGS:
+        warnings.filterwarnings("ignore", message=prefix)
+    # Spawned interpreters import Megatron while unpickling their target, before any code of ours
+    # runs; the environment is the only filter in place by then.
+    filters = [f"ignore:{prefix}" for prefix in _KNOWN_DEPENDENCY_WARNINGS]
+    existing = os.environ.get("PYTHONWARNINGS")
+    if existing is None or filters[0] not in existing:
+        os.environ["PYTHONWARNINGS"] = ",".join(([existing] if existing else []) + filters)
+
+
 def _threads_per_rank(nprocs: int) -> int:
     return max(1, (os.cpu_count() or 1) // nprocs)
 
@@ -50,6 +76,7 @@ def run_on_ranks(fn: Callable, nprocs: int, *args: Any) -> dict[int, Any]:
     """
     if nprocs == 1 or launched_world_size() == nprocs:
         return {int(os.environ.get("RANK", 0)): fn(*args)}
+    silence_known_dependency_warnings()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

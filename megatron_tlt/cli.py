@@ -1,0 +1,89 @@
+"""The ``tlt`` command: the only argv parser in megatron-tlt.
+
+  tlt train                                    the main job (for now: the Megatron/HF parity check)
+  tlt convert hf-to-mcore --hf DIR --out DIR --tp N --pp M [--dtype float32|bfloat16|float16]
+  tlt convert mcore-to-hf --ckpt DIR --out DIR
+
+Bad input ends with one line, ``tlt: error: ...``, naming the problem, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+USER_ERROR_EXIT = 2
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megatron_tlt.parity import PARITY_TOLERANCE, run_parity_check
+
+    print("tlt train: the RL loop is not built yet; running the Megatron <-> HF parity check")
+    results = run_parity_check()
+    for r in results:
+        status = "ok" if r.ok else "FAIL"
+        print(f"  {r.model:6s} TP={r.tensor_parallel_size} PP={r.pipeline_parallel_size}  "
+              f"max|logit diff|={r.max_abs_diff:.2e}  (tolerance {PARITY_TOLERANCE:.0e})  {status}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
+    from checkpoints_tools.hf_to_mcore import convert_hf_to_mcore
+
+    out = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype)
+    print(f"wrote Megatron checkpoint (TP={args.tp} PP={args.pp}) to {out}")
+    return 0
+
+
+def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
+    from checkpoints_tools.mcore_to_hf import convert_mcore_to_hf
+
+    out = convert_mcore_to_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size)
+    print(f"wrote HF model to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tlt", description="megatron-tlt: RL for reasoning LLMs with TLT")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="run the main job")
+    train.set_defaults(func=_cmd_train)
+
+    convert = commands.add_parser("convert", help="convert checkpoints between HF and Megatron")
+    directions = convert.add_subparsers(dest="direction", required=True)
+    to_mcore = directions.add_parser("hf-to-mcore", help="HF safetensors -> Megatron distributed checkpoint")
+    to_mcore.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
+    to_mcore.add_argument("--out", required=True, help="new output directory")
+    to_mcore.add_argument("--tp", type=int, default=1, help="tensor parallel size to write at")
+    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline parallel size to write at")
+    to_mcore.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                          help="parameter dtype (default: that of the HF tensors)")
+    to_mcore.set_defaults(func=_cmd_hf_to_mcore)
+    to_hf = directions.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors")
+    to_hf.add_argument("--ckpt", required=True, help="checkpoint directory written by megatron-tlt")
+    to_hf.add_argument("--out", required=True, help="new output directory")
+    to_hf.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (e.g. 2GB, 500MB)")
+    to_hf.set_defaults(func=_cmd_mcore_to_hf)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    from megatron_tlt.launcher import WorkerFailed, silence_known_dependency_warnings
+
+    silence_known_dependency_warnings()
+
+    try:
+        return args.func(args)
+    except (ValueError, WorkerFailed) as err:
+        print(f"tlt: error: {err}", file=sys.stderr)
+        return USER_ERROR_EXIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
