@@ -32,7 +32,8 @@ def _forward_step(data_iterator, model):
     def loss_fn(logits_bsv: torch.Tensor):
         token_loss = mcore.vocab_parallel_cross_entropy(logits_bsv, labels)
         loss = (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-        return loss, {"lm_loss": loss.detach()}
+        # clone: the schedule later divides `loss` in place by the number of micro-batches
+        return loss, {"lm_loss": loss.detach().clone()}
 
     return output, loss_fn
 

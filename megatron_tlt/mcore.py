@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -170,10 +170,20 @@ def unwrap(model: torch.nn.Module) -> GPTModel:
 
 
 def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True) -> DistributedDataParallel:
+    """Megatron DDP around the model, wired into the config the schedules read.
+
+    The schedules call ``finalize_model_grads_func`` after the last backward (data-parallel grad
+    all-reduce, and the tied-embedding grad all-reduce between first and last pipeline stage) and
+    ``no_sync_func`` to skip the reduction while accumulating over micro-batches; Megatron-LM's
+    training loop sets both, so we must too.
+    """
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False, use_distributed_optimizer=False
     )
-    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    return ddp
 
 
 def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: float = 0.0,
@@ -190,7 +200,9 @@ def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: 
         fp16=model.config.fp16,
         use_distributed_optimizer=False,
     )
-    return get_megatron_optimizer(config, [model])
+    optimizer = get_megatron_optimizer(config, [model])
+    model.config.grad_scale_func = optimizer.scale_loss  # fp16 loss scaling; identity otherwise
+    return optimizer
 
 
 # ----------------------------------------------------------------------------- schedules

@@ -1,0 +1,96 @@
+"""`tlt convert` on bad input: one 'tlt: error:' line naming the problem, exit 2, nothing in --out."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from megatron_tlt.tiny_models import TINY_LLAMA
+
+
+def _tlt(*args):
+    return subprocess.run(["tlt", *args], capture_output=True, text=True, timeout=300)
+
+
+def _assert_clean_failure(result, out_dir, *fragments):
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tlt: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert not out_dir.exists()
+    assert not list(out_dir.parent.glob(f".{out_dir.name}.partial-*"))
+
+
+@pytest.fixture
+def llama_copy(tiny_llama_dir, tmp_path):
+    return shutil.copytree(tiny_llama_dir, tmp_path / "llama")
+
+
+@pytest.mark.parametrize(
+    "tp, pp, fragments",
+    [
+        ("3", "1", ("tensor parallel size 3", "num_attention_heads 8")),
+        ("8", "1", ("tensor parallel size 8", "num_key_value_heads 4")),
+        ("1", "5", ("pipeline parallel size 5", "larger than num_hidden_layers 4")),
+    ],
+    ids=["tp-not-dividing-heads", "tp-not-dividing-kv-heads", "pp-larger-than-layers"],
+)
+def test_impossible_layout_is_refused(tp, pp, fragments, tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    result = _tlt("convert", "hf-to-mcore", "--hf", str(tiny_llama_dir), "--out", str(out), "--tp", tp, "--pp", pp)
+    _assert_clean_failure(result, out, *fragments)
+
+
+def test_missing_safetensors_shard_is_named(tiny_qwen2_dir, tmp_path):
+    model = shutil.copytree(tiny_qwen2_dir, tmp_path / "qwen2")
+    victim = sorted(model.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    out = tmp_path / "out"
+    result = _tlt("convert", "hf-to-mcore", "--hf", str(model), "--out", str(out))
+    _assert_clean_failure(result, out, victim.name, "missing")
+
+
+def test_truncated_safetensors_file_is_named(llama_copy, tmp_path):
+    weights_file = llama_copy / "model.safetensors"
+    data = weights_file.read_bytes()
+    weights_file.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out"
+    result = _tlt("convert", "hf-to-mcore", "--hf", str(llama_copy), "--out", str(out), "--tp", "2")
+    _assert_clean_failure(result, out, "model.safetensors", "truncated")
+
+
+def test_unsupported_architecture_is_named(llama_copy, tmp_path):
+    config = json.loads((llama_copy / "config.json").read_text())
+    config["architectures"] = ["MistralForCausalLM"]
+    (llama_copy / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = _tlt("convert", "hf-to-mcore", "--hf", str(llama_copy), "--out", str(out))
+    _assert_clean_failure(result, out, "unsupported architecture", "MistralForCausalLM")
+
+
+def test_missing_megatron_checkpoint_is_named(tmp_path):
+    out = tmp_path / "out"
+    result = _tlt("convert", "mcore-to-hf", "--ckpt", str(tmp_path / "nowhere"), "--out", str(out))
+    _assert_clean_failure(result, out, "not a megatron-tlt checkpoint")
+
+
+def test_existing_output_directory_is_never_overwritten(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    result = _tlt("convert", "hf-to-mcore", "--hf", str(tiny_llama_dir), "--out", str(out))
+    assert result.returncode == 2 and "already exists" in result.stderr
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_cli_conversion_round_trip_succeeds(tiny_llama_dir, tmp_path):
+    ckpt, back = tmp_path / "mcore", tmp_path / "hf"
+    first = _tlt("convert", "hf-to-mcore", "--hf", str(tiny_llama_dir), "--out", str(ckpt), "--tp", "2", "--pp", "2")
+    assert first.returncode == 0, first.stderr
+    second = _tlt("convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(back))
+    assert second.returncode == 0, second.stderr
+    assert json.loads((ckpt / "tlt_checkpoint.json").read_text())["saved_tensor_parallel_size"] == 2
+    assert (back / "model.safetensors").is_file() and (back / "config.json").is_file()
+    assert json.loads((back / "config.json").read_text())["num_key_value_heads"] == TINY_LLAMA["num_key_value_heads"]

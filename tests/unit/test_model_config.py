@@ -1,0 +1,55 @@
+import pytest
+
+from megatron_tlt.model_config import ModelConfigError, architecture_from_dict
+from megatron_tlt.tiny_models import TINY_LLAMA, TINY_QWEN2
+
+
+def test_llama_config_is_read_with_gqa_and_llama3_rope_scaling():
+    arch = architecture_from_dict(TINY_LLAMA)
+    assert (arch.family, arch.num_kv_heads, arch.head_dim, arch.heads_per_group) == ("llama", 4, 8, 2)
+    assert arch.rope_scaling.factor == 8.0 and arch.rope_scaling.original_max_position_embeddings == 32
+    assert not arch.qkv_bias and not arch.tie_word_embeddings
+
+
+def test_transformers_v5_nested_rope_parameters_are_understood():
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k not in ("rope_scaling", "rope_theta")}
+    cfg["rope_parameters"] = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_theta": 5e5}
+    arch = architecture_from_dict(cfg)
+    assert arch.rope_theta == 5e5 and arch.rope_scaling.factor == 32.0
+
+
+def test_qwen2_config_has_qkv_bias_and_tied_embeddings():
+    arch = architecture_from_dict(TINY_QWEN2)
+    assert arch.family == "qwen2" and arch.qkv_bias and arch.tie_word_embeddings and arch.rope_scaling is None
+
+
+def test_padded_vocab_is_a_multiple_of_128_times_tp():
+    arch = architecture_from_dict(TINY_LLAMA)
+    assert arch.padded_vocab_size(1) == 256 and arch.padded_vocab_size(2) == 256 and arch.padded_vocab_size(4) == 512
+
+
+@pytest.mark.parametrize(
+    "tp, pp, message",
+    [
+        (3, 1, "tensor parallel size 3 does not divide num_attention_heads 8"),
+        (8, 1, "tensor parallel size 8 does not divide num_key_value_heads 4"),
+        (1, 8, "pipeline parallel size 8 is larger than num_hidden_layers 4"),
+        (1, 3, "pipeline parallel size 3 does not divide num_hidden_layers 4"),
+    ],
+)
+def test_impossible_layouts_are_refused_naming_the_values(tp, pp, message):
+    with pytest.raises(ModelConfigError, match=message):
+        architecture_from_dict(TINY_LLAMA).validate_layout(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+
+def test_unsupported_architecture_is_refused_by_name():
+    with pytest.raises(ModelConfigError, match="unsupported architecture.*GPT2LMHeadModel"):
+        architecture_from_dict({**TINY_LLAMA, "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_unsupported_rope_type_and_activation_are_refused():
+    with pytest.raises(ModelConfigError, match="rope_scaling type 'yarn'"):
+        architecture_from_dict({**TINY_LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ModelConfigError, match="hidden_act 'gelu'"):
+        architecture_from_dict({**TINY_LLAMA, "hidden_act": "gelu"})
