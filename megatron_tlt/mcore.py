@@ -9,7 +9,7 @@ modules), which runs on CPU and GPU alike; parameter names therefore follow that
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +73,6 @@ def stage_info() -> StageInfo:
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
     )
-
-
-def data_parallel_group(with_context_parallel: bool = False):
-    return parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
 
 
 # ----------------------------------------------------------------------------- model
@@ -260,8 +256,3 @@ def load_distributed(model: torch.nn.Module, checkpoint_dir: str | Path) -> None
     target = unwrap(model)
     state = dist_checkpointing.load(target.sharded_state_dict(), str(checkpoint_dir))
     target.load_state_dict(state, strict=True)
-
-
-def checkpoint_keys(checkpoint_dir: str | Path) -> Iterable[str]:
-    """The tensor names stored in a distributed checkpoint (reads metadata only)."""
-    return dist_checkpointing.load_tensors_metadata(str(checkpoint_dir)).keys()
