@@ -21,7 +21,8 @@ class WorkerFailed(RuntimeError):
     """A launched rank raised; the message is the root cause reported by that rank."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -83,7 +84,7 @@ def run_on_ranks(fn: Callable, nprocs: int, *args: Any) -> dict[int, Any]:
         nproc_per_node=nprocs,
         run_id=uuid.uuid4().hex,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",

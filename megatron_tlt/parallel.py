@@ -11,22 +11,16 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from megatron_tlt import cpu_compat
+from megatron_tlt.launcher import free_port
 
 
 class LayoutError(ValueError):
     """A parallel layout that does not fit the world it is launched into."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -62,7 +56,7 @@ class ParallelLayout:
         if not dist.is_initialized():
             if "RANK" not in os.environ:  # a plain command: a world of one
                 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=str(_free_port()))
+                                  MASTER_PORT=str(free_port()))
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             backend = "nccl" if torch.cuda.is_available() else "gloo"
