@@ -8,7 +8,6 @@ on this node. Each rank gets an equal share of the cores so ranks do not oversub
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -19,13 +18,6 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 class WorkerFailed(RuntimeError):
     """A launched rank raised; the message is the root cause reported by that rank."""
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # Harmless notices printed by every process that imports Megatron-Core or loads a dist checkpoint:
@@ -84,7 +76,7 @@ def run_on_ranks(fn: Callable, nprocs: int, *args: Any) -> dict[int, Any]:
         nproc_per_node=nprocs,
         run_id=uuid.uuid4().hex,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint="127.0.0.1:0",  # as torchrun --standalone: the OS picks a free port, no race
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",

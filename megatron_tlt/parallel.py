@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_tlt import cpu_compat
-from megatron_tlt.launcher import free_port
 
 
 class LayoutError(ValueError):
@@ -54,13 +53,15 @@ class ParallelLayout:
 
         cpu_compat.enable()
         if not dist.is_initialized():
-            if "RANK" not in os.environ:  # a plain command: a world of one
-                os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=str(free_port()))
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+            timeout = datetime.timedelta(minutes=10)
+            if "RANK" in os.environ:  # launched by torchrun / elastic launch
+                dist.init_process_group(backend=backend, timeout=timeout)
+            else:  # a plain command: a world of one, on a store bound to a port the OS picks
+                store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
+                dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
             self.initialized_here = True
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
