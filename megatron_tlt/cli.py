@@ -20,12 +20,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_tlt.parity import PARITY_TOLERANCE, run_parity_check
 
     print("tlt train: the RL loop is not built yet; running the Megatron <-> HF parity check")
-    results = run_parity_check()
-    for r in results:
-        status = "ok" if r.ok else "FAIL"
+    all_ok = True
+    for r in run_parity_check():
+        all_ok &= r.ok
         print(f"  {r.model:6s} TP={r.tensor_parallel_size} PP={r.pipeline_parallel_size}  "
-              f"max|logit diff|={r.max_abs_diff:.2e}  (tolerance {PARITY_TOLERANCE:.0e})  {status}")
-    return 0 if all(r.ok for r in results) else 1
+              f"max|logit diff|={r.max_abs_diff:.2e}  (tolerance {PARITY_TOLERANCE:.0e})  "
+              f"{'ok' if r.ok else 'FAIL'}", flush=True)
+    return 0 if all_ok else 1
 
 
 def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:

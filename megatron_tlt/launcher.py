@@ -29,6 +29,8 @@ _KNOWN_DEPENDENCY_WARNINGS = (
     "full scope is deprecated",
     "`load_state_dict` is deprecated",
     "Please use DTensor instead",
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
+    "When using async grad allreduce it is recommended",  # CUDA-only tuning advice
 )
 
 

@@ -43,7 +43,9 @@ TINY_QWEN2 = dict(
 def make_tiny_hf_model(out_dir: str | Path, config: dict, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
     """Save a randomly initialised fp32 HF model (weights with non-trivial norms and biases)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     family = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[config["architectures"][0]]
     hf_config = AutoConfig.for_model(family, **{k: v for k, v in config.items() if k != "architectures"})
     hf_config.architectures = list(config["architectures"])
@@ -64,7 +66,9 @@ def make_tiny_hf_model(out_dir: str | Path, config: dict, *, seed: int = 0, max_
 @torch.no_grad()
 def hf_logits(model_dir: str | Path, input_ids_bs: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     return model(input_ids_bs).logits
