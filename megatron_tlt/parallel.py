@@ -66,6 +66,9 @@ class ParallelLayout:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.world_size % model_parallel:
+            if self.initialized_here:  # leave no half-built process group behind
+                dist.destroy_process_group()
+                self.initialized_here = False
             raise LayoutError(
                 f"world size {self.world_size} is not a multiple of tensor_parallel_size "
                 f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size}"

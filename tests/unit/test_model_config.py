@@ -53,3 +53,13 @@ def test_unsupported_rope_type_and_activation_are_refused():
         architecture_from_dict({**TINY_LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ModelConfigError, match="hidden_act 'gelu'"):
         architecture_from_dict({**TINY_LLAMA, "hidden_act": "gelu"})
+
+
+def test_layout_that_does_not_fit_the_world_is_refused_and_cleaned_up():
+    import torch.distributed as dist
+
+    from megatron_tlt.parallel import LayoutError, ParallelLayout
+
+    with pytest.raises(LayoutError, match="world size 1 is not a multiple of tensor_parallel_size 2"):
+        ParallelLayout(tensor_parallel_size=2).initialize()
+    assert not dist.is_initialized()
