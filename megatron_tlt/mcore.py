@@ -75,6 +75,22 @@ def stage_info() -> StageInfo:
     )
 
 
+def tensor_parallel_group():
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def pipeline_parallel_group():
+    return parallel_state.get_pipeline_model_parallel_group()
+
+
+def broadcast_from_last_stage(tensor: torch.Tensor) -> None:
+    """In place: every pipeline stage receives the last stage's ``tensor``."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if torch.distributed.get_world_size(group) > 1:
+        src = torch.distributed.get_global_rank(group, torch.distributed.get_world_size(group) - 1)
+        torch.distributed.broadcast(tensor, src=src, group=group)
+
+
 # ----------------------------------------------------------------------------- model
 
 

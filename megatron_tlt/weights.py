@@ -205,3 +205,31 @@ def local_name(full_name: str, pp_rank: int, layers_per_stage: int) -> str:
     if not match:
         return full_name
     return f"decoder.layers.{int(match.group(1)) - pp_rank * layers_per_stage}.{match.group(2)}"
+
+
+def megatron_full_shape(arch: PolicyArchitecture, megatron_name: str, padded_vocab_size: int) -> tuple[int, ...]:
+    """Shape of a Megatron-full tensor, known without holding it (for receive buffers)."""
+    hidden, hd = arch.hidden_size, arch.head_dim
+    qkv_rows = (arch.num_attention_heads + 2 * arch.num_kv_heads) * hd
+    if megatron_name in _VOCAB_PADDED:
+        return (padded_vocab_size, hidden)
+    suffix = _LAYER.match(megatron_name).group(2) if _LAYER.match(megatron_name) else megatron_name
+    shapes = {
+        "decoder.final_layernorm.weight": (hidden,),
+        "input_layernorm.weight": (hidden,),
+        "pre_mlp_layernorm.weight": (hidden,),
+        "self_attention.linear_qkv.weight": (qkv_rows, hidden),
+        "self_attention.linear_qkv.bias": (qkv_rows,),
+        "self_attention.linear_proj.weight": (hidden, arch.num_attention_heads * hd),
+        "mlp.linear_fc1.weight": (2 * arch.intermediate_size, hidden),
+        "mlp.linear_fc2.weight": (hidden, arch.intermediate_size),
+    }
+    return shapes[suffix]
+
+
+def owning_stage(arch: PolicyArchitecture, megatron_name: str, pp_size: int) -> int:
+    """The pipeline stage that holds a Megatron-full tensor (the embedding: the first)."""
+    match = _LAYER.match(megatron_name)
+    if match:
+        return int(match.group(1)) // (arch.num_layers // pp_size)
+    return 0 if megatron_name == "embedding.word_embeddings.weight" else pp_size - 1

