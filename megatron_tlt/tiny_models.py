@@ -82,3 +82,50 @@ def hf_logits(model_dir: str | Path, input_ids_bs: torch.Tensor) -> torch.Tensor
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     return model(input_ids_bs).logits
+
+
+def next_token_fixture(arch, *, seed: int = 0, logit_scale: float = 1.5) -> dict:
+    """A target whose next token depends on the current token alone, and drafters for it.
+
+    The target's attention and MLP output projections are zero and its norms are ones, so its
+    residual stream is the token embedding and p(next | current) = softmax(lm_head(rmsnorm(e))).
+    An EAGLE drafter with zero output projections and ``fc = [I, 0]`` computes lm_head(e): the
+    same argmax, so it is accepted at every greedy step; ``fc = [0, I]`` ignores the token and is
+    almost never accepted. Returns HF-named target tensors, the two drafters (vLLM drafter names)
+    and the exact next-token distribution [vocab, vocab] (row = current token, float64).
+    """
+    g = torch.Generator().manual_seed(seed)
+    h, hd, inter, vocab = arch.hidden_size, arch.head_dim, arch.intermediate_size, arch.vocab_size
+    q_rows, kv_rows = arch.num_attention_heads * hd, arch.num_kv_heads * hd
+
+    def layer(prefix: str, input_norm: bool) -> dict:
+        t = {
+            prefix + "post_attention_layernorm.weight": torch.ones(h),
+            prefix + "self_attn.q_proj.weight": torch.randn(q_rows, h, generator=g) * 0.05,
+            prefix + "self_attn.k_proj.weight": torch.randn(kv_rows, h, generator=g) * 0.05,
+            prefix + "self_attn.v_proj.weight": torch.randn(kv_rows, h, generator=g) * 0.05,
+            prefix + "self_attn.o_proj.weight": torch.zeros(h, q_rows),
+            prefix + "mlp.gate_proj.weight": torch.randn(inter, h, generator=g) * 0.05,
+            prefix + "mlp.up_proj.weight": torch.randn(inter, h, generator=g) * 0.05,
+            prefix + "mlp.down_proj.weight": torch.zeros(h, inter),
+        }
+        if input_norm:
+            t[prefix + "input_layernorm.weight"] = torch.ones(h)
+        if arch.qkv_bias:
+            for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                t[f"{prefix}self_attn.{proj}_proj.bias"] = torch.zeros(rows)
+        return t
+
+    embed = torch.randn(vocab, h, generator=g)
+    lm_head = torch.randn(vocab, h, generator=g) * logit_scale / h**0.5 * 8
+    target = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(h), "lm_head.weight": lm_head}
+    for i in range(arch.num_layers):
+        target.update(layer(f"model.layers.{i}.", input_norm=True))
+    drafter_layer = layer("layers.0.", input_norm=False)  # vLLM's EAGLE layer has no first input norm
+    eye, zero = torch.eye(h), torch.zeros(h, h)
+    good = {"fc.weight": torch.cat([eye, zero], dim=1), **drafter_layer}
+    bad = {"fc.weight": torch.cat([zero, eye], dim=1), **drafter_layer}
+    e = embed.double()
+    normed = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + arch.rms_norm_eps)
+    next_probs = torch.softmax(normed @ lm_head.double().T, dim=-1)
+    return {"target": target, "good_drafter": good, "bad_drafter": bad, "next_probs": next_probs}

