@@ -112,8 +112,12 @@ def iter_hf_tensors(model: torch.nn.Module, arch: PolicyArchitecture, *, padded_
 
 
 def sync_policy_to_engine(model: torch.nn.Module, arch: PolicyArchitecture, engine, *, padded_vocab_size: int,
-                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncStats:
-    """Stream the current policy into this rank's engine (collective over all ranks)."""
+                          bucket_bytes: int = DEFAULT_BUCKET_BYTES, probe_prompts=None) -> SyncStats:
+    """Stream the current policy into this rank's engine (collective over all ranks).
+
+    With ``probe_prompts`` and speculation on, a short greedy probe follows the sync so that a
+    drafter silently lost in the reload raises the engine's acceptance alarm at once.
+    """
     moved = {"bytes": 0}
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -125,6 +129,8 @@ def sync_policy_to_engine(model: torch.nn.Module, arch: PolicyArchitecture, engi
     started = time.perf_counter()
     engine.load_weights(counted())
     seconds = time.perf_counter() - started
+    if probe_prompts and engine.speculative is not None:
+        engine.probe_acceptance(probe_prompts)
     element_size = torch.empty((), dtype=mcore.unwrap(model).config.params_dtype).element_size()
     num_buckets = len(_plan_buckets(arch, mcore.stage_info().pp_size, padded_vocab_size, element_size, bucket_bytes))
     return SyncStats(num_bytes=moved["bytes"], seconds=seconds, num_buckets=num_buckets)

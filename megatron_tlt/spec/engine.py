@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -269,12 +270,15 @@ class RolloutEngine:
                     tensor_parallel_size=1,
                     disable_log_stats=False,
                     speculative_config=speculative_config,
+                    # sleep/wake frees the KV cache while the rank trains; only vLLM's GPU allocator has it
+                    enable_sleep_mode=torch.cuda.is_available(),
                 )
         except Exception as err:  # vLLM raises bare RuntimeError/ValueError/OOM from deep inside
             raise EngineError(f"vLLM engine failed to start on rank {rank}: {type(err).__name__}: {err}") from err
         self.start_seconds = time.perf_counter() - started
         self.rank = rank
         self.acceptance_alarms = 0
+        self._sleep_noop_logged = False
         logger.info("rank %d: vLLM engine ready in %.1fs", rank, self.start_seconds)
         if drafter is not None:
             self.load_drafter(drafter)
@@ -361,11 +365,39 @@ class RolloutEngine:
         """Replace the policy weights in place from HF-named tensors (consumed lazily)."""
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(hf_tensors)})
 
+    def release_memory(self) -> None:
+        """Free the KV cache (and offload weights) while the rank trains or idles; GPU only."""
+        if not torch.cuda.is_available():
+            if not self._sleep_noop_logged:
+                logger.info("rank %d: vLLM sleep mode needs a GPU; release/resume are no-ops here", self.rank)
+                self._sleep_noop_logged = True
+            return
+        self._llm.sleep(level=1)
+
+    def resume_memory(self) -> None:
+        """Take the KV cache back before the next rollout (no-op where sleep mode is unavailable)."""
+        if torch.cuda.is_available():
+            self._llm.wake_up()
+
     def close(self) -> None:
-        """Release the engine and vLLM's process groups before the default group goes away."""
+        """Shut the engine down, keeping the default process group (ParallelLayout owns it).
+
+        vLLM's shutdown calls ``destroy_distributed_environment``, which would destroy
+        torch.distributed's default group under Megatron; for the duration of the shutdown it
+        only drops vLLM's own handles.
+        """
         from vllm.distributed import parallel_state as vllm_parallel_state
 
-        self._llm = None
-        vllm_parallel_state.destroy_model_parallel()
-        if vllm_parallel_state._WORLD is not None:
-            vllm_parallel_state._WORLD = None  # the default group itself belongs to ParallelLayout
+        def release_vllm_world_only() -> None:
+            vllm_parallel_state._WORLD = None
+            vllm_parallel_state._NODE_COUNT = None
+
+        original = vllm_parallel_state.destroy_distributed_environment
+        vllm_parallel_state.destroy_distributed_environment = release_vllm_world_only
+        try:
+            self._llm = None
+            gc.collect()  # the engine core shuts down when the LLM object is collected
+            vllm_parallel_state.destroy_model_parallel()
+            release_vllm_world_only()
+        finally:
+            vllm_parallel_state.destroy_distributed_environment = original

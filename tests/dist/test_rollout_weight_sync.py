@@ -13,16 +13,22 @@ PROMPTS = [[1, 5, 7, 9], [3, 4, 100, 22, 17], [200, 13]]
 NEW_TOKENS = 16
 
 
-def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str):
+def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str, eagle: bool = False):
     from megatron_tlt import policy
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl.weight_sync import sync_policy_to_engine
-    from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings
+    from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings, SpeculativeSettings
+    from megatron_tlt.tiny_models import next_token_fixture
 
     with ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp) as layout:
         model, meta = policy.load_policy_checkpoint(ckpt_dir)
         megatron_greedy = [policy.greedy_generate(model, p, NEW_TOKENS, meta.arch.vocab_size) for p in PROMPTS]
-        engine = RolloutEngine(meta.arch, RolloutEngineConfig(max_model_len=128), workdir=workdir, rank=layout.rank)
+        speculation = {}
+        if eagle:  # a drafter that knows nothing of this policy: speculation may only cost speed
+            speculation = dict(speculative=SpeculativeSettings(num_speculative_tokens=3),
+                               drafter=next_token_fixture(meta.arch)["good_drafter"])
+        engine = RolloutEngine(meta.arch, RolloutEngineConfig(max_model_len=128), workdir=workdir, rank=layout.rank,
+                               **speculation)
         try:
             before = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=NEW_TOKENS))
             stats = sync_policy_to_engine(model, meta.arch, engine, padded_vocab_size=meta.padded_vocab_size,
@@ -30,7 +36,11 @@ def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str):
             after = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=NEW_TOKENS))
         finally:
             engine.close()
+        # closing the engine must leave the process group, and so Megatron, working
+        after_close = policy.greedy_generate(model, PROMPTS[0], 4, meta.arch.vocab_size)
         return {
+            "drafts": after.spec.num_drafts,
+            "after_close": after_close,
             "megatron": megatron_greedy,
             "before": [r[0] for r in before.token_ids],
             "after": [r[0] for r in after.token_ids],
@@ -48,6 +58,14 @@ def test_vllm_greedy_equals_megatron_greedy_after_sync(tp, pp, rollout_llama_mco
     for result in per_rank.values():
         assert result["before"] != result["megatron"]  # dummy weights: the sync is what makes them agree
         assert result["after"] == result["megatron"]
+        assert result["after_close"] == result["megatron"][0][:4]
         assert all(len(tokens) == NEW_TOKENS for tokens in result["after"])
         # every HF tensor arrives once (fp32, vocabulary padding removed), in several bounded buckets
         assert result["bytes"] == hf_bytes and result["buckets"] > 4
+
+
+def test_greedy_output_with_eagle_on_equals_megatron_greedy(rollout_llama_mcore, tmp_path):
+    result = run_on_ranks(_sync_and_compare_on_rank, 1, str(rollout_llama_mcore), 1, 1, str(tmp_path), True,
+                          isolated=True)[0]
+    assert result["drafts"] > 0  # speculation really ran
+    assert result["after"] == result["megatron"]

@@ -59,6 +59,8 @@ def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks:
                 results["greedy"] = [r[0] for r in greedy.token_ids]
                 results["greedy_acceptance_length"] = greedy.spec.mean_acceptance_length
                 results["per_position"] = greedy.spec.accepted_per_position
+                engine.load_weights(fixture["target"].items())  # a policy sync must not lose the drafter
+                results["probe_after_policy_sync"] = engine.probe_acceptance(prompts)
                 engine.load_drafter(fixture["bad_drafter"])
                 results["bad_probe"] = engine.probe_acceptance(prompts)
                 results["alarms_after_bad"] = engine.acceptance_alarms
@@ -113,6 +115,10 @@ def test_the_sampling_test_detects_vllm_cpus_shipped_expand_kernel(tmp_path, exa
     broken = run_on_ranks(_speculative_engine_on_rank, 1, str(tmp_path), False, False, isolated=True)[0]
     p_values = _goodness_of_fit_p_values(broken["samples"], exact)
     assert min(p_values[1:]) < 1e-10, p_values
+
+
+def test_the_drafter_survives_a_policy_weight_sync(fixed_engine_results):
+    assert fixed_engine_results["probe_after_policy_sync"].mean_acceptance_length > 3.5
 
 
 def test_pushing_a_wrong_drafter_raises_the_alarm_and_the_right_one_recovers(fixed_engine_results):
