@@ -40,8 +40,8 @@ class EngineError(RuntimeError):
 class RolloutEngineConfig:
     """How each rank's vLLM engine is built."""
 
-    max_model_len: int = 1024
-    """Longest prompt + response, in tokens."""
+    max_model_len: int | None = None
+    """Longest prompt + response, in tokens (default: the model's positions, at most 4096)."""
     dtype: str = "float32"
     """Weights and activations in the engine (match the policy's for exact greedy agreement)."""
     kv_cache_gib: float = 1.0
@@ -233,6 +233,8 @@ class RolloutEngine:
             if speculative is None:
                 raise EngineError("a drafter was given but speculative decoding is off")
             validate_drafter(arch, drafter)
+        if config.max_model_len is None:
+            config = dataclasses.replace(config, max_model_len=min(4096, arch.max_position_embeddings))
         self.arch, self.config, self.speculative = arch, config, speculative
         self.model_dir = Path(workdir) / f"engine-rank{rank}"
         _write_engine_config(arch, self.model_dir)

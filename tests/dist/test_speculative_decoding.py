@@ -75,6 +75,11 @@ def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks:
                     results["start_failure"] = str(err)
         finally:
             engine.close()
+        if full_checks:
+            try:
+                RolloutEngine(arch, RolloutEngineConfig(max_model_len=64, kv_cache_gib=5000), workdir=workdir, rank=0)
+            except EngineError as err:
+                results["memory_failure"] = str(err)
     return results
 
 
@@ -130,3 +135,5 @@ def test_pushing_a_wrong_drafter_raises_the_alarm_and_the_right_one_recovers(fix
 def test_an_engine_that_cannot_start_says_why(fixed_engine_results):
     message = fixed_engine_results["start_failure"]
     assert message.startswith("vLLM engine failed to start on rank 0") and "max_model_len" in message
+    memory = fixed_engine_results["memory_failure"]
+    assert memory.startswith("vLLM engine failed to start on rank 0") and "5000.0 GiB" in memory
