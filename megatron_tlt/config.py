@@ -1,0 +1,229 @@
+"""The run configuration: a tree of typed dataclasses, loaded by name or path, with dotted overrides.
+
+    tlt train --config tiny rollout.temperature=0.8 trainer.steps=20
+
+Defaults live here, in Python, next to a docstring per field; YAML files under ``launch/configs``
+hold values only. Parsing, merging and type conversion are OmegaConf's (structured configs); this
+module adds what users need on top: an unknown key is an error that lists the nearest valid keys,
+cross-field checks sit in one side-effect-free ``validate``, and the resolved tree is written to
+the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from megatron_tlt.spec.engine import RolloutEngineConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be loaded or does not make sense; the message says how to fix it."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+    """How the policy is split over ranks; world size = tp x pp x dp."""
+
+    tensor_parallel_size: int = 1
+    """Megatron tensor parallelism (must divide the attention and KV heads)."""
+    pipeline_parallel_size: int = 1
+    """Megatron pipeline parallelism (must divide the layers)."""
+    data_parallel_size: int = 2
+    """Replicas of the policy; each has its own rollout engine and prompt shard."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """Which policy to train."""
+
+    hf_dir: str | None = None
+    """HF model directory (config.json, safetensors, tokenizer); None builds the tiny default."""
+    dtype: str = "float32"
+    """Policy parameter dtype: float32, bfloat16 or float16."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataConfig:
+    """Prompts and how they are scored."""
+
+    path: str | None = None
+    """JSONL or parquet prompt file; None uses the built-in synthetic long-tail task."""
+    reward: str = "exact_match"
+    """Reward function: a registered name or "package.module:function"."""
+    max_prompt_tokens: int = 128
+    """Longer prompts are counted as malformed and skipped."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig:
+    """Sampling during RL rollouts."""
+
+    samples_per_prompt: int = 8
+    """GRPO group size n."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_response_tokens: int = 192
+    engine: RolloutEngineConfig = dataclasses.field(default_factory=RolloutEngineConfig)
+    """The colocated vLLM engine of each rank."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class AlgorithmConfig:
+    """Advantages and the policy loss."""
+
+    advantage: str = "grpo"
+    """Advantage estimator (grpo, rloo)."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1."""
+    clip_high: float = 0.2
+    """PPO ratio clip above 1 (raise for DAPO-style clip-higher)."""
+    loss_aggregation: str = "token_mean"
+    """token_mean, seq_mean_token_mean or seq_mean_token_sum."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to a frozen reference policy (0 disables the reference)."""
+    filter_equal_reward_groups: bool = False
+    """Drop prompt groups whose samples all got the same reward (no learning signal)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimizerConfig:
+    """Megatron's Adam."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerConfig:
+    """The RL loop itself."""
+
+    steps: int = 20
+    """RL steps (one rollout + update each)."""
+    prompts_per_step: int = 16
+    """Prompts per step over all data-parallel ranks."""
+    micro_batch_size: int = 4
+    """Sequences per Megatron micro-batch in the log-prob and update passes."""
+    seed: int = 1234
+    save_every: int = 5
+    """Checkpoint every N steps (0: only at the end)."""
+    run_dir: str = "runs/tlt"
+    """Where config, tensorboard events, checkpoints and summary.json go."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class TLTConfig:
+    """Everything one ``tlt train`` run needs."""
+
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+
+
+def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name)
+        name = f"{prefix}{field.name}"
+        keys.extend(_dotted_keys(value, name + ".") if dataclasses.is_dataclass(value) else [name])
+    return keys
+
+
+def valid_keys() -> list[str]:
+    return _dotted_keys(TLTConfig())
+
+
+def _unknown_key_error(err: ConfigKeyError, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or str(err).split("'")[1]
+    nearest = difflib.get_close_matches(key, valid_keys(), n=3, cutoff=0.5)
+    if not nearest:  # a misspelt leaf under a valid section: match the leaf name alone
+        leaf = key.rsplit(".", 1)[-1]
+        nearest = [k for k in valid_keys() if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.6)][:3]
+    hint = f"; nearest valid keys: {', '.join(nearest)}" if nearest else "; see `tlt train --help-config`"
+    return ConfigError(f"unknown config key '{key}' in {source}{hint}")
+
+
+def _resolve_config_file(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        return path
+    named = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not named.is_file():
+        available = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(f"no config named '{name_or_path}'; available: {', '.join(available) or 'none'}")
+    return named
+
+
+def load_config(name_or_path: str | None = None, overrides: list[str] | None = None) -> TLTConfig:
+    """Defaults, then the named/path YAML, then ``key=value`` overrides; validated."""
+    merged = OmegaConf.structured(TLTConfig)
+    layers: list[tuple[str, Any]] = []
+    if name_or_path:
+        path = _resolve_config_file(name_or_path)
+        try:
+            layers.append((str(path), OmegaConf.load(path)))
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"{path}: cannot parse ({err})") from None
+    if overrides:
+        malformed = [o for o in overrides if "=" not in o]
+        if malformed:
+            raise ConfigError(f"overrides must look like key=value, got: {' '.join(malformed)}")
+        layers.append(("the command line", OmegaConf.from_dotlist(overrides)))
+    for source, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except ConfigKeyError as err:
+            raise _unknown_key_error(err, source) from None
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"{source}: {str(err).splitlines()[0]} (key '{getattr(err, 'full_key', '?')}')") from None
+    config = OmegaConf.to_object(merged)
+    validate(config)
+    return config
+
+
+def validate(config: TLTConfig) -> None:
+    """Cross-field checks that need no model, no files and no processes."""
+    p, r, a, t = config.parallel, config.rollout, config.algorithm, config.trainer
+    for name, value in (("parallel.tensor_parallel_size", p.tensor_parallel_size),
+                        ("parallel.pipeline_parallel_size", p.pipeline_parallel_size),
+                        ("parallel.data_parallel_size", p.data_parallel_size),
+                        ("rollout.samples_per_prompt", r.samples_per_prompt),
+                        ("trainer.steps", t.steps), ("trainer.prompts_per_step", t.prompts_per_step),
+                        ("trainer.micro_batch_size", t.micro_batch_size)):
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    if t.prompts_per_step % p.data_parallel_size:
+        raise ConfigError(f"trainer.prompts_per_step {t.prompts_per_step} is not divisible by "
+                          f"parallel.data_parallel_size {p.data_parallel_size}")
+    if not 0.0 <= a.clip_low < 1.0 or a.clip_high < 0.0:
+        raise ConfigError(f"algorithm.clip_low must be in [0, 1) and clip_high >= 0, got {a.clip_low}, {a.clip_high}")
+    if not 0.0 < r.top_p <= 1.0 or r.temperature < 0.0:
+        raise ConfigError(f"rollout.top_p must be in (0, 1] and temperature >= 0, got {r.top_p}, {r.temperature}")
+    if config.model.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got '{config.model.dtype}'")
+
+
+def world_size(config: TLTConfig) -> int:
+    p = config.parallel
+    return p.tensor_parallel_size * p.pipeline_parallel_size * p.data_parallel_size
+
+
+def to_yaml(config: TLTConfig) -> str:
+    """The fully resolved tree, as written to ``RUN_DIR/config.yaml``."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -1,0 +1,58 @@
+import pytest
+
+from megatron_tlt.config import ConfigError, TLTConfig, load_config, to_yaml, world_size
+
+
+def test_defaults_then_named_config_then_overrides_apply_in_order():
+    config = load_config("tiny", ["rollout.temperature=0.7", "trainer.steps=3", "parallel.tensor_parallel_size=2"])
+    assert isinstance(config, TLTConfig)
+    assert config.rollout.temperature == 0.7 and config.trainer.steps == 3
+    assert config.trainer.run_dir == "runs/tiny"  # from launch/configs/tiny.yaml
+    assert config.algorithm.clip_high == 0.2  # untouched default
+    assert world_size(config) == 4
+
+
+def test_an_unknown_key_is_refused_with_the_nearest_valid_keys():
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.temprature'.*nearest valid keys: rollout.temperature"):
+        load_config(None, ["rollout.temprature=0.5"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer.stepz'.*trainer.steps"):
+        load_config(None, ["trainer.stepz=5"])
+
+
+def test_an_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("algorithm:\n  kl_coeff: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'algorithm.kl_coeff' in .*mine.yaml.*algorithm.kl_coef"):
+        load_config(str(path))
+
+
+def test_a_value_of_the_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"trainer.steps"):
+        load_config(None, ["trainer.steps=many"])
+
+
+def test_bad_names_and_malformed_overrides_are_refused():
+    with pytest.raises(ConfigError, match=r"no config named 'huge'; available: .*tiny"):
+        load_config("huge")
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["trainer.steps"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.prompts_per_step=15", "not divisible by parallel.data_parallel_size 2"),
+    ("algorithm.clip_low=1.5", "clip_low must be in"),
+    ("rollout.top_p=0", "top_p must be in"),
+    ("parallel.tensor_parallel_size=0", "parallel.tensor_parallel_size must be >= 1"),
+    ("model.dtype=float8", "model.dtype must be"),
+])
+def test_inconsistent_values_are_refused_at_load(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_the_resolved_config_round_trips_through_yaml(tmp_path):
+    config = load_config("tiny", ["optimizer.lr=3e-4"])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(config))
+    again = load_config(str(path))
+    assert again == config
