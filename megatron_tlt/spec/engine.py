@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from megatron_tlt.model_config import PolicyArchitecture
+from megatron_tlt.spec.eagle import eagle_drafter_config, validate_drafter
+from megatron_tlt.spec.metrics import SpecDecodeStats, acceptance_collapsed
 
 logger = logging.getLogger(__name__)
 
@@ -79,32 +81,6 @@ class SpeculativeSettings:
     """Accepted share of draft tokens below which a probe raises the collapse alarm."""
 
 
-@dataclasses.dataclass(frozen=True)
-class SpecDecodeStats:
-    """Speculative-decoding counts of one rollout (vLLM's counters, as differences)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: tuple[int, ...] = ()
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted share of proposed draft tokens."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens emitted per target step: the accepted drafts plus the target's own token."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    def __sub__(self, earlier: "SpecDecodeStats") -> "SpecDecodeStats":
-        per_pos = tuple(a - b for a, b in zip(self.accepted_per_position,
-                                              earlier.accepted_per_position or (0,) * len(self.accepted_per_position)))
-        return SpecDecodeStats(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
-                               self.num_accepted_tokens - earlier.num_accepted_tokens, per_pos)
-
-
 @dataclasses.dataclass
 class RolloutResult:
     """Responses of one rollout call, in prompt order, n per prompt."""
@@ -129,66 +105,6 @@ def _write_engine_config(arch: PolicyArchitecture, model_dir: Path) -> None:
     config = dict(arch.hf_config, architectures=[arch.architecture])
     config.setdefault("model_type", arch.family)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
-
-
-def eagle_drafter_config(arch: PolicyArchitecture) -> dict:
-    """HF config of the policy's EAGLE-1 drafter: one decoder layer of the policy's shape.
-
-    vLLM 0.32 maps a Llama-architecture draft model to its EagleLlamaForCausalLM when the
-    speculative method is "eagle"; the embedding and LM head are the target's (not in the drafter).
-    """
-    config = dict(arch.hf_config)
-    config.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
-                  tie_word_embeddings=False)
-    return config
-
-
-def expected_drafter_shapes(arch: PolicyArchitecture) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of an EAGLE drafter for this policy (vLLM names, no ``model.`` prefix)."""
-    h, hd = arch.hidden_size, arch.head_dim
-    layer = "layers.0."
-    shapes = {
-        "fc.weight": (h, 2 * h),
-        layer + "post_attention_layernorm.weight": (h,),
-        layer + "self_attn.q_proj.weight": (arch.num_attention_heads * hd, h),
-        layer + "self_attn.k_proj.weight": (arch.num_kv_heads * hd, h),
-        layer + "self_attn.v_proj.weight": (arch.num_kv_heads * hd, h),
-        layer + "self_attn.o_proj.weight": (h, arch.num_attention_heads * hd),
-        layer + "mlp.gate_proj.weight": (arch.intermediate_size, h),
-        layer + "mlp.up_proj.weight": (arch.intermediate_size, h),
-        layer + "mlp.down_proj.weight": (h, arch.intermediate_size),
-    }
-    if arch.qkv_bias:
-        for proj, heads in (("q", arch.num_attention_heads), ("k", arch.num_kv_heads), ("v", arch.num_kv_heads)):
-            shapes[f"{layer}self_attn.{proj}_proj.bias"] = (heads * hd,)
-    return shapes
-
-
-def validate_drafter(arch: PolicyArchitecture, tensors: dict[str, torch.Tensor]) -> None:
-    """Refuse a drafter that does not fit the policy (hidden size, vocabulary, layer shapes)."""
-    fc = tensors.get("fc.weight")
-    if fc is None:
-        raise EngineError("drafter has no fc.weight: not an EAGLE drafter")
-    if tuple(fc.shape) != (arch.hidden_size, 2 * arch.hidden_size):
-        raise EngineError(
-            f"drafter hidden size does not match the policy: fc.weight is {tuple(fc.shape)}, "
-            f"policy hidden_size {arch.hidden_size} needs ({arch.hidden_size}, {2 * arch.hidden_size})"
-        )
-    embed = tensors.get("embed_tokens.weight")
-    if embed is not None and tuple(embed.shape) != (arch.vocab_size, arch.hidden_size):
-        raise EngineError(
-            f"drafter vocabulary does not match the policy: embed_tokens.weight is {tuple(embed.shape)}, "
-            f"policy needs ({arch.vocab_size}, {arch.hidden_size})"
-        )
-    if "lm_head.weight" in tensors:
-        raise EngineError("drafter carries lm_head.weight; an EAGLE drafter shares the policy's LM head")
-    expected = expected_drafter_shapes(arch)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise EngineError(f"drafter is missing tensors: {', '.join(missing)}")
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise EngineError(f"drafter tensor {name} has shape {tuple(tensors[name].shape)}, policy needs {shape}")
 
 
 def _reload_drafter_in_worker(worker, tensors: dict[str, torch.Tensor]) -> None:
@@ -220,11 +136,6 @@ def _torchrun_variables(rank: int):
     finally:
         for key in added:
             os.environ.pop(key, None)
-
-
-def acceptance_collapsed(stats: SpecDecodeStats, threshold: float) -> bool:
-    """True when drafts were proposed and (almost) none were accepted."""
-    return stats.num_draft_tokens > 0 and stats.acceptance_rate < threshold
 
 
 class RolloutEngine:

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from megatron_tlt.model_config import architecture_from_dict
-from megatron_tlt.spec.engine import (EngineError, RolloutEngine, RolloutEngineConfig, SpecDecodeStats,
-                                      SpeculativeSettings, acceptance_collapsed, check_engine_supports,
-                                      validate_drafter)
+from megatron_tlt.spec.eagle import DrafterMismatch, validate_drafter
+from megatron_tlt.spec.engine import EngineError, RolloutEngine, RolloutEngineConfig, SpeculativeSettings, check_engine_supports
+from megatron_tlt.spec.metrics import SpecDecodeStats, acceptance_collapsed
 from megatron_tlt.tiny_models import TINY_LLAMA, TINY_LLAMA_ROLLOUT, next_token_fixture
 
 ARCH = architecture_from_dict(TINY_LLAMA_ROLLOUT)
@@ -19,7 +19,7 @@ def _good_drafter():
 def test_a_drafter_of_another_hidden_size_is_refused_before_the_engine_starts(tmp_path):
     drafter = _good_drafter()
     drafter["fc.weight"] = torch.zeros(64, 128)
-    with pytest.raises(EngineError, match=r"drafter hidden size does not match the policy: fc.weight is \(64, 128\)"):
+    with pytest.raises(DrafterMismatch, match=r"drafter hidden size does not match the policy: fc.weight is \(64, 128\)"):
         RolloutEngine(ARCH, RolloutEngineConfig(), workdir=tmp_path, rank=0,
                       speculative=SpeculativeSettings(), drafter=drafter)
     assert not list(tmp_path.iterdir())  # refused before anything was written or started
@@ -28,16 +28,16 @@ def test_a_drafter_of_another_hidden_size_is_refused_before_the_engine_starts(tm
 def test_a_drafter_with_another_vocabulary_is_refused():
     drafter = _good_drafter()
     drafter["embed_tokens.weight"] = torch.zeros(300, ARCH.hidden_size)
-    with pytest.raises(EngineError, match=r"drafter vocabulary does not match the policy.*\(300, 128\)"):
+    with pytest.raises(DrafterMismatch, match=r"drafter vocabulary does not match the policy.*\(300, 128\)"):
         validate_drafter(ARCH, drafter)
 
 
 def test_a_drafter_carrying_its_own_lm_head_or_missing_a_layer_tensor_is_refused():
-    with pytest.raises(EngineError, match="shares the policy's LM head"):
+    with pytest.raises(DrafterMismatch, match="shares the policy's LM head"):
         validate_drafter(ARCH, {**_good_drafter(), "lm_head.weight": torch.zeros(256, 128)})
     incomplete = _good_drafter()
     del incomplete["layers.0.mlp.down_proj.weight"]
-    with pytest.raises(EngineError, match="missing tensors: layers.0.mlp.down_proj.weight"):
+    with pytest.raises(DrafterMismatch, match="missing tensors: layers.0.mlp.down_proj.weight"):
         validate_drafter(ARCH, incomplete)
 
 
