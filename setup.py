@@ -29,6 +29,7 @@ setup(
         "psutil>=5.9",
         "nvidia-ml-py>=12",
         "numpy",
+        "pyarrow>=14",  # VeRL-style parquet prompt files
         "pyyaml",
     ],
     extras_require={

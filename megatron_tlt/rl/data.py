@@ -1,0 +1,431 @@
+"""Prompt datasets for RL: load the rows RL users already have, count and skip bad ones, shard by DP rank.
+
+Accepted files (chosen by suffix):
+  ``.jsonl`` / ``.ndjson``  one JSON object per line; blank lines are ignored;
+  ``.json``                 a JSON array of objects, or JSON lines under a ``.json`` name (as HF datasets writes);
+  ``.parquet``              VeRL's format; needs ``pyarrow``.
+A row holds a prompt, either plain text or a list of chat messages (``{"role", "content"}``, rendered with
+the tokenizer's chat template and a generation prompt), and a ground truth, either VeRL's nested
+``reward_model: {"ground_truth": ...}`` or a flat ``ground_truth`` / ``answer`` key; ``PromptDataConfig``
+renames the keys. Rows that cannot be used are counted by reason in a ``DataReport``, logged as one
+warning line and skipped; they are never dropped silently, and a file with no usable row is an error.
+
+``PromptSampler`` turns dataset positions into per-step batches for one DP rank, with a position
+(epoch, step) that a checkpoint saves so a resumed run sees the same batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from megatron_tlt.tokenizer import Tokenizer, TokenizerError
+
+logger = logging.getLogger(__name__)
+
+# Why a row was skipped. Row numbers in reports are 1-based: the line number in JSON lines files
+# (what an editor shows), the row position in JSON arrays and Parquet files.
+SKIP_REASONS = (
+    "invalid_json",  # a JSON lines line that does not parse
+    "not_an_object",  # the row is not a JSON object / struct
+    "missing_prompt",  # no prompt key, or null
+    "empty_prompt",  # blank text, no messages, or only blank message contents
+    "bad_messages",  # prompt neither text nor a message list, a malformed message, or the template rejected it
+    "missing_ground_truth",  # none of the ground-truth keys holds a value, or the value is blank
+    "bad_ground_truth",  # the ground truth is not text or a number
+    "prompt_too_long",  # more than max_prompt_tokens tokens after rendering
+)
+MAX_BAD_ROWS_SHOWN = 5
+_PARQUET_BATCH_ROWS = 4096
+
+
+class DataError(ValueError):
+    """A prompt file that is missing, unreadable, of an unknown format, or holds no usable row."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptDataConfig:
+    """Where a row keeps its prompt, ground truth and source, and how long a prompt may be."""
+
+    prompt_key: str = "prompt"
+    """Key of the prompt: plain text, or a list of ``{"role", "content"}`` chat messages."""
+
+    ground_truth_keys: tuple[str, ...] = ("reward_model.ground_truth", "ground_truth", "answer")
+    """Keys tried in order for the reference answer; the first whose value is not null wins. A dot descends
+    into nested objects (VeRL's ``reward_model: {"ground_truth": ...}``) unless the row has the dotted key
+    itself. Numbers are turned into text."""
+
+    data_source_key: str = "data_source"
+    """Key naming the dataset a row came from (VeRL's ``data_source``); None when absent."""
+
+    max_prompt_tokens: int = 1024
+    """Longest prompt, in tokens after chat rendering; longer rows are skipped as ``prompt_too_long``."""
+
+    add_bos_to_text: bool = True
+    """Prepend BOS to plain-text prompts (no-op for tokenizers without one). Chat templates write their own."""
+
+    def __post_init__(self):
+        # YAML and dotted overrides hand us lists; keep the frozen config hashable.
+        object.__setattr__(self, "ground_truth_keys", tuple(self.ground_truth_keys))
+        if not self.ground_truth_keys:
+            raise ValueError("data.ground_truth_keys is empty: name at least one key, e.g. ['answer']")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptExample:
+    """One usable prompt: ``index`` is its position in the loaded dataset (what ``PromptSampler`` yields)."""
+
+    index: int
+    prompt_ids: tuple[int, ...]
+    ground_truth: str
+    data_source: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class DataReport:
+    """What loading a file kept and skipped. ``first_bad_rows`` holds up to MAX_BAD_ROWS_SHOWN 1-based row
+    numbers per reason; ``skipped`` counts every skipped row by reason (reasons with no rows are absent)."""
+
+    path: Path
+    num_rows: int
+    num_kept: int
+    skipped: dict[str, int]
+    first_bad_rows: dict[str, tuple[int, ...]]
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def summary(self) -> str:
+        """One line: kept and skipped counts, with the first offending rows of each reason."""
+        line = f"{self.path}: kept {self.num_kept} of {self.num_rows} rows"
+        if not self.skipped:
+            return line
+        parts = []
+        for reason, count in self.skipped.items():
+            rows = self.first_bad_rows[reason]
+            more = ", ..." if count > len(rows) else ""
+            parts.append(f"{reason} {count} (row{'s' if count > 1 else ''} {', '.join(map(str, rows))}{more})")
+        return f"{line}; skipped {self.num_skipped}: " + "; ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptDataset:
+    """The usable prompts of one file, in file order, and the report of what was skipped."""
+
+    path: Path
+    examples: tuple[PromptExample, ...]
+    report: DataReport
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> PromptExample:
+        return self.examples[index]
+
+    def gather(self, indices: Sequence[int]) -> list[PromptExample]:
+        """The examples at ``indices`` (a batch from ``PromptSampler``), in that order."""
+        return [self.examples[i] for i in indices]
+
+
+class _BadRow(Exception):
+    """Internal: this row is skipped for ``reason``."""
+
+    def __init__(self, reason: str):
+        assert reason in SKIP_REASONS, reason
+        self.reason = reason
+
+
+_INVALID_JSON = object()  # stands in for a JSON lines row that did not parse
+
+
+def _iter_json_lines(lines: Iterator[bytes]) -> Iterator[tuple[int, object]]:
+    for line_number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            yield line_number, json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            yield line_number, _INVALID_JSON
+
+
+def _iter_json_file_lines(path: Path) -> Iterator[tuple[int, object]]:
+    with path.open("rb") as lines:  # streamed: a large file is never held whole
+        yield from _iter_json_lines(lines)
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[int, object]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row_number = 0
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+            for row in batch.to_pylist():
+                row_number += 1
+                yield row_number, row
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path}: unreadable Parquet file ({' '.join(str(err).split())})") from None
+
+
+def _read_rows(path: Path) -> Iterator[tuple[int, object]]:
+    """(1-based row number, parsed row) pairs; format errors about the whole file raise DataError now."""
+    if not path.is_file():
+        raise DataError(f"{path}: prompt file does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet  # noqa: F401
+        except ImportError:
+            raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+        return _iter_parquet(path)
+    if suffix in (".jsonl", ".ndjson"):
+        return _iter_json_file_lines(path)
+    if suffix != ".json":
+        raise DataError(f"{path}: unknown prompt file format {suffix!r}; use .jsonl, .json or .parquet")
+    data = path.read_bytes()
+    if data.lstrip()[:1] != b"[":
+        return _iter_json_lines(iter(data.splitlines()))
+    try:
+        rows = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: not a valid JSON array ({err})") from None
+    return iter(enumerate(rows, start=1))
+
+
+def _lookup(row: dict, key: str) -> object:
+    if key in row:
+        return row[key]
+    value: object = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _ground_truth(row: dict, keys: tuple[str, ...]) -> str:
+    value = next((v for v in (_lookup(row, k) for k in keys) if v is not None), None)
+    if value is None:
+        raise _BadRow("missing_ground_truth")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise _BadRow("bad_ground_truth")
+    text = str(value)
+    if not text.strip():
+        raise _BadRow("missing_ground_truth")
+    return text
+
+
+def _check_messages(prompt: list) -> list[dict]:
+    if not prompt:
+        raise _BadRow("empty_prompt")
+    for message in prompt:
+        if not isinstance(message, dict):
+            raise _BadRow("bad_messages")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role or not isinstance(content, str):
+            raise _BadRow("bad_messages")
+    if not any(message["content"].strip() for message in prompt):
+        raise _BadRow("empty_prompt")
+    return [dict(message) for message in prompt]
+
+
+def _prompt(row: dict, config: PromptDataConfig) -> str | list[dict]:
+    prompt = row.get(config.prompt_key)
+    if prompt is None:
+        raise _BadRow("missing_prompt")
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise _BadRow("empty_prompt")
+        return prompt
+    if isinstance(prompt, list):
+        return _check_messages(prompt)
+    raise _BadRow("bad_messages")
+
+
+def _prompt_ids(prompt: str | list[dict], row_number: int, path: Path, tokenizer: Tokenizer,
+                config: PromptDataConfig) -> list[int]:
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_bos=config.add_bos_to_text)
+    else:
+        if tokenizer.chat_template is None:
+            # A setup error, not a bad row: every chat row would fail the same way.
+            raise DataError(
+                f"{path}: row {row_number} has chat messages but the tokenizer in {tokenizer.directory} has no "
+                "chat template (add chat_template.jinja or a chat_template entry in tokenizer_config.json)"
+            )
+        try:
+            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        except TokenizerError:  # the template refused this chat (raise_exception), e.g. roles out of order
+            raise _BadRow("bad_messages") from None
+        ids = tokenizer.encode(text)
+    if len(ids) > config.max_prompt_tokens:
+        raise _BadRow("prompt_too_long")
+    return ids
+
+
+def load_prompt_dataset(
+    path: str | Path, tokenizer: Tokenizer, config: PromptDataConfig | None = None
+) -> PromptDataset:
+    """Read, validate and tokenize every row of ``path``; bad rows are counted, logged and skipped.
+
+    Raises DataError when the file is missing, unreadable or of an unknown format, when chat rows meet a
+    tokenizer without a chat template, or when no row is usable.
+    """
+    path = Path(path)
+    config = config or PromptDataConfig()
+    examples: list[PromptExample] = []
+    skipped: dict[str, int] = {}
+    first_bad_rows: dict[str, list[int]] = {}
+    num_rows = 0
+    for row_number, row in _read_rows(path):
+        num_rows += 1
+        try:
+            if row is _INVALID_JSON:
+                raise _BadRow("invalid_json")
+            if not isinstance(row, dict):
+                raise _BadRow("not_an_object")
+            # Cheap checks first; tokenizing comes last, so a row is counted once, under its first problem.
+            prompt = _prompt(row, config)
+            ground_truth = _ground_truth(row, config.ground_truth_keys)
+            prompt_ids = _prompt_ids(prompt, row_number, path, tokenizer, config)
+        except _BadRow as bad:
+            skipped[bad.reason] = skipped.get(bad.reason, 0) + 1
+            rows = first_bad_rows.setdefault(bad.reason, [])
+            if len(rows) < MAX_BAD_ROWS_SHOWN:
+                rows.append(row_number)
+            continue
+        source = _lookup(row, config.data_source_key)
+        examples.append(PromptExample(
+            index=len(examples),
+            prompt_ids=tuple(prompt_ids),
+            ground_truth=ground_truth,
+            data_source=None if source is None else str(source),
+        ))
+    report = DataReport(
+        path=path,
+        num_rows=num_rows,
+        num_kept=len(examples),
+        skipped={reason: skipped[reason] for reason in SKIP_REASONS if reason in skipped},
+        first_bad_rows={reason: tuple(rows) for reason, rows in first_bad_rows.items()},
+    )
+    if num_rows == 0:
+        raise DataError(f"{path}: prompt file has no rows")
+    if not examples:
+        raise DataError(f"no usable prompt rows in {report.summary()}")
+    if report.skipped:
+        logger.warning("skipped bad prompt rows: %s", report.summary())
+    return PromptDataset(path=path, examples=tuple(examples), report=report)
+
+
+class PromptSampler:
+    """Per-step batches of dataset positions for one DP rank; an iterator that never ends.
+
+    Each epoch is a permutation of ``range(num_examples)`` (seeded by ``(seed, epoch)``; identity order
+    when ``shuffle`` is off) cut into ``num_examples // batch_prompts`` global batches of ``batch_prompts``
+    prompts; DP rank r takes the r-th of ``dp_size`` equal contiguous slices of each. So within an epoch
+    every position is used at most once across all ranks, and exactly once when ``batch_prompts`` divides
+    ``num_examples``; the remainder (under ``batch_prompts`` positions) is left out of that epoch only,
+    and a different remainder is left out each shuffled epoch.
+
+    The position (epoch, step) is the next batch to hand out; ``state_dict``/``load_state_dict`` save and
+    restore it. The global batches do not depend on ``dp_size``, so a run may resume on a different number
+    of DP ranks and still see the same prompts per step.
+    """
+
+    def __init__(
+        self, num_examples: int, *, batch_prompts: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool = True
+    ):
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size): got dp_rank={dp_rank}, dp_size={dp_size}")
+        if batch_prompts < 1 or batch_prompts % dp_size:
+            raise ValueError(
+                f"batch_prompts ({batch_prompts}) must be a positive multiple of the DP size ({dp_size}): "
+                "every DP rank gets the same number of prompts per step"
+            )
+        if num_examples < batch_prompts:
+            raise ValueError(
+                f"the dataset has {num_examples} usable prompts, fewer than batch_prompts ({batch_prompts}): "
+                "lower batch_prompts or add data"
+            )
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.num_examples = num_examples
+        self.batch_prompts = batch_prompts
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.step = 0
+        self._order_epoch: int | None = None
+        self._order: np.ndarray | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_examples // self.batch_prompts
+
+    @property
+    def prompts_per_rank(self) -> int:
+        return self.batch_prompts // self.dp_size
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            if self.shuffle:
+                self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+            else:
+                self._order = np.arange(self.num_examples)
+            self._order_epoch = epoch
+        return self._order
+
+    def __iter__(self) -> PromptSampler:
+        return self
+
+    def __next__(self) -> list[int]:
+        """This rank's positions for the current step; then advance, rolling over into the next epoch."""
+        start = self.step * self.batch_prompts + self.dp_rank * self.prompts_per_rank
+        batch = self._epoch_order(self.epoch)[start : start + self.prompts_per_rank].tolist()
+        self.step += 1
+        if self.step == self.steps_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+        return batch
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """The position plus what it is only meaningful with (data size, batch, seed, shuffle)."""
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "num_examples": self.num_examples,
+            "batch_prompts": self.batch_prompts,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position. Raises ValueError when the state was saved for other data,
+        batch size, seed or shuffling, since the same position would then name different prompts."""
+        missing = [key for key in self.state_dict() if key not in state]
+        if missing:
+            raise ValueError(f"sampler state lacks {', '.join(missing)}: not a PromptSampler state_dict")
+        mismatched = [
+            f"{key} saved {state[key]!r}, now {getattr(self, key)!r}"
+            for key in ("num_examples", "batch_prompts", "seed", "shuffle")
+            if state[key] != getattr(self, key)
+        ]
+        if mismatched:
+            raise ValueError(
+                "cannot resume the prompt sampler: " + "; ".join(mismatched)
+                + " (resume with the same dataset, batch_prompts and seed)"
+            )
+        epoch, step = int(state["epoch"]), int(state["step"])
+        if epoch < 0 or not 0 <= step < self.steps_per_epoch:
+            raise ValueError(f"sampler state out of range: epoch={epoch}, step={step} (steps_per_epoch "
+                             f"{self.steps_per_epoch})")
+        self.epoch, self.step = epoch, step

@@ -1,0 +1,187 @@
+"""The tiny default's task: evaluate a chain of small additions and subtractions, one line per step.
+
+Shipped as code, nothing downloaded. A problem is a start value and ``k`` operations; its prompt ends
+where the model starts writing, and its worked solution evaluates left to right, one short line per
+step, then states the answer after the marker ``####``::
+
+    Q: 55+1-8-5=?
+    A: 55+1=56
+    56-8=48
+    48-5=43
+    #### 43
+
+Why this shape (DESIGN.md sections 1, 4, 5):
+- A one-layer drafter can learn the reasoning text: each line starts by copying the previous result,
+  then copies the next operation from the prompt, and only the new result needs arithmetic.
+- The response length grows linearly with ``k``, and ``k`` follows a truncated Zipf law: most problems
+  take 1-3 steps, a few take 10-20, so RL rollouts have the long tail of lengths TLT exploits.
+- Every value stays in 0..99 and every operand in 1..9, so a model of a few M parameters can learn it;
+  no spaces inside a line, so the longest problem (20 steps) fits in 256 tokens of a digit-split
+  sentencepiece vocabulary, prompt and BOS/EOS included.
+
+The reward (``rl/rewards.py``) takes the first line after the last ``####``, stripped, and compares it with
+``Problem.answer`` exactly; ``extract_answer`` here is that same rule (``rl.rewards``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+ANSWER_MARKER = "####"
+PROMPT_PREFIX = "Q: "
+PROMPT_SUFFIX = "=?\nA:"  # the prompt ends here; the model writes the solution next
+MAX_VALUE = 99  # every start value, intermediate and answer lies in 0..MAX_VALUE
+MAX_OPERAND = 9  # every operand lies in 1..MAX_OPERAND
+DEFAULT_MAX_STEPS = 20
+DEFAULT_TAIL = 1.5
+
+_PROMPT_RE = re.compile(rf"^{re.escape(PROMPT_PREFIX)}(\d+)((?:[+-]\d+)+){re.escape(PROMPT_SUFFIX)}$")
+_OPERATION_RE = re.compile(r"([+-])(\d+)")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem: ``prompt + solution`` is the full worked text; ``answer`` is what follows the marker."""
+
+    prompt: str
+    """Ends with ``PROMPT_SUFFIX`` ("=?\\nA:"), where the model starts writing."""
+    solution: str
+    """The worked solution: a leading space, one line per step, then ``"#### <answer>"``; no trailing newline."""
+    answer: str
+    """The final value as decimal text, e.g. "43"."""
+    num_steps: int
+    """Number of operations, i.e. of solution lines before the answer line."""
+
+
+def _apply(value: int, op: str, operand: int) -> int:
+    return value + operand if op == "+" else value - operand
+
+
+def _format_problem(start: int, operations: list[tuple[str, int]]) -> Problem:
+    prompt = PROMPT_PREFIX + str(start) + "".join(f"{op}{operand}" for op, operand in operations) + PROMPT_SUFFIX
+    lines, value = [], start
+    for op, operand in operations:
+        result = _apply(value, op, operand)
+        lines.append(f"{value}{op}{operand}={result}")
+        value = result
+    solution = " " + "\n".join(lines) + f"\n{ANSWER_MARKER} {value}"
+    return Problem(prompt=prompt, solution=solution, answer=str(value), num_steps=len(operations))
+
+
+def step_count_weights(max_steps: int, tail: float) -> list[float]:
+    """Unnormalised probabilities of 1..max_steps steps: a truncated Zipf law, P(k) ~ k ** -tail."""
+    return [k**-tail for k in range(1, max_steps + 1)]
+
+
+def generate_problems(
+    num: int, *, seed: int, max_steps: int = DEFAULT_MAX_STEPS, tail: float = DEFAULT_TAIL
+) -> list[Problem]:
+    """``num`` problems, the same for the same arguments.
+
+    The step count follows ``step_count_weights(max_steps, tail)``: a smaller ``tail`` gives more long
+    problems (at the default 1.5 and 20 steps, ~46% take one step and ~10% take nine or more). Each
+    operation is + or - with an operand in 1..MAX_OPERAND, flipped when it would leave 0..MAX_VALUE.
+    """
+    if num < 0:
+        raise ValueError(f"num must be >= 0, got {num}")
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    if tail <= 0:
+        raise ValueError(f"tail must be > 0 (a Zipf exponent), got {tail}")
+    rng = random.Random(seed)
+    step_counts = range(1, max_steps + 1)
+    weights = step_count_weights(max_steps, tail)
+    problems = []
+    for _ in range(num):
+        num_steps = rng.choices(step_counts, weights=weights)[0]
+        value = start = rng.randint(0, MAX_VALUE)
+        operations = []
+        for _ in range(num_steps):
+            op, operand = rng.choice("+-"), rng.randint(1, MAX_OPERAND)
+            if not 0 <= _apply(value, op, operand) <= MAX_VALUE:
+                op = "-" if op == "+" else "+"  # operand <= 9 < range, so the flip always lands inside
+            operations.append((op, operand))
+            value = _apply(value, op, operand)
+        problems.append(_format_problem(start, operations))
+    return problems
+
+
+def solve(prompt: str) -> str:
+    """The correct answer to ``prompt``, computed from the prompt text alone; ValueError if malformed."""
+    match = _PROMPT_RE.match(prompt)
+    if match is None:
+        raise ValueError(f"not a synthetic-task prompt: {prompt!r}")
+    value = int(match.group(1))
+    for op, operand in _OPERATION_RE.findall(match.group(2)):
+        value = _apply(value, op, int(operand))
+    return str(value)
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer the reward sees: ``rewards.extract_final_answer`` (one rule for both)."""
+    from megatron_tlt.rl.rewards import extract_final_answer
+
+    return extract_final_answer(response)
+
+
+def is_correct(prompt: str, response: str) -> bool:
+    """Whether ``response`` (the model's text after ``prompt``) states the right answer, by exact match."""
+    return extract_answer(response) == solve(prompt)
+
+
+def task_corpus(num: int, seed: int, **problem_kwargs) -> list[str]:
+    """Full worked texts (prompt + solution) of ``generate_problems(num, seed=seed, ...)``.
+
+    For training the tokenizer and the supervised warm-up; use a seed other than the RL prompts' one.
+    """
+    return [p.prompt + p.solution for p in generate_problems(num, seed=seed, **problem_kwargs)]
+
+
+def train_task_tokenizer(out_dir: str | Path, *, vocab_size: int = 320, num_texts: int = 2000, seed: int = 0) -> Path:
+    """Train the tiny default's sentencepiece tokenizer on ``task_corpus``; return its ``tokenizer.model``.
+
+    The digit-split vocabulary has under 300 pieces (256 of them byte fallbacks), so ``vocab_size``
+    is an upper bound rather than a target.
+    """
+    # Imported here: only making a tokenizer needs sentencepiece.
+    from megatron_tlt.tokenizer import train_sentencepiece
+
+    return train_sentencepiece(task_corpus(num_texts, seed), out_dir, vocab_size)
+
+
+def solution_num_tokens(problem: Problem, tokenizer) -> int:
+    """Tokens the policy writes for the solution: those of prompt + solution beyond the prompt's, no EOS."""
+    return len(tokenizer.encode(problem.prompt + problem.solution)) - len(tokenizer.encode(problem.prompt))
+
+
+def _summary(values: list[int], unit: str) -> dict[str, float]:
+    ordered = sorted(values)
+    p90 = ordered[math.ceil(0.9 * len(ordered)) - 1]  # nearest-rank percentile
+    return {
+        f"mean_{unit}": statistics.fmean(ordered),
+        f"median_{unit}": statistics.median(ordered),
+        f"p90_{unit}": p90,
+        f"max_{unit}": ordered[-1],
+    }
+
+
+def length_stats(problems: list[Problem], tokenizer=None) -> dict[str, float]:
+    """Mean, median, p90 and max of solution lengths in characters (``*_chars``) and steps (``*_steps``).
+
+    With a ``tokenizer`` (anything with ``encode(text) -> list[int]``) also in tokens (``*_tokens``, see
+    ``solution_num_tokens``) and the longest prompt + solution (``max_total_tokens``, no BOS/EOS).
+    """
+    if not problems:
+        raise ValueError("length_stats needs at least one problem")
+    stats: dict[str, float] = {"num_problems": len(problems)}
+    stats |= _summary([len(p.solution) for p in problems], "chars")
+    stats |= _summary([p.num_steps for p in problems], "steps")
+    if tokenizer is not None:
+        stats |= _summary([solution_num_tokens(p, tokenizer) for p in problems], "tokens")
+        stats["max_total_tokens"] = max(len(tokenizer.encode(p.prompt + p.solution)) for p in problems)
+    return stats
