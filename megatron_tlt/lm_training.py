@@ -8,6 +8,7 @@ computed on vocab-parallel logits (never gathered).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -22,7 +23,7 @@ class LMMicroBatch:
     loss_mask_bs: torch.Tensor
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(data_iterator, model, *, vocab_size: int):
     batch: LMMicroBatch = next(data_iterator)
     inputs = batch.tokens_bs[:, :-1].contiguous()
     labels = batch.tokens_bs[:, 1:].contiguous()
@@ -30,7 +31,7 @@ def _forward_step(data_iterator, model):
     output = model(inputs, mcore.position_ids_like(inputs), None)
 
     def loss_fn(logits_bsv: torch.Tensor):
-        token_loss = mcore.vocab_parallel_cross_entropy(logits_bsv, labels)
+        token_loss = mcore.vocab_parallel_cross_entropy(logits_bsv, labels, vocab_size)
         loss = (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
         # clone: the schedule later divides `loss` in place by the number of micro-batches
         return loss, {"lm_loss": loss.detach().clone()}
@@ -38,7 +39,8 @@ def _forward_step(data_iterator, model):
     return output, loss_fn
 
 
-def lm_train_step(model: torch.nn.Module, optimizer, microbatches: list[LMMicroBatch]) -> float | None:
+def lm_train_step(model: torch.nn.Module, optimizer, microbatches: list[LMMicroBatch], *,
+                  vocab_size: int) -> float | None:
     """One optimizer step over ``microbatches`` (gradient accumulation across them).
 
     Collective over all ranks. Returns the mean micro-batch loss on the last pipeline stage
@@ -48,7 +50,7 @@ def lm_train_step(model: torch.nn.Module, optimizer, microbatches: list[LMMicroB
     model.zero_grad_buffer()
     optimizer.zero_grad()
     b, s = microbatches[0].tokens_bs.shape
-    reports = mcore.run_schedule(model, _forward_step, microbatches, seq_length=s - 1, micro_batch_size=b,
+    reports = mcore.run_schedule(model, functools.partial(_forward_step, vocab_size=vocab_size), microbatches, seq_length=s - 1, micro_batch_size=b,
                                  forward_only=False)
     update_ok, _grad_norm, _ = optimizer.step()
     if not update_ok:

@@ -252,9 +252,19 @@ def gather_vocab_logits(logits_bsv: torch.Tensor, vocab_size: int) -> torch.Tens
     return full[..., :vocab_size]
 
 
-def vocab_parallel_cross_entropy(logits_bsv: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy computed on vocab-parallel logits without gathering them."""
-    return tensor_parallel.vocab_parallel_cross_entropy(logits_bsv.float().transpose(0, 1).contiguous(),
+def vocab_parallel_cross_entropy(logits_bsv: torch.Tensor, labels_bs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-token cross-entropy on vocab-parallel logits, without gathering them.
+
+    The rows that pad the vocabulary to a multiple of 128 x TP are masked out: their logits would
+    otherwise take probability mass from the real tokens.
+    """
+    logits = logits_bsv.float()
+    shard = logits.shape[-1]
+    first = parallel_state.get_tensor_model_parallel_rank() * shard
+    if first + shard > vocab_size:
+        padded = torch.arange(first, first + shard, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+    return tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
                                                         labels_bs.transpose(0, 1).contiguous()).transpose(0, 1)
 
 

@@ -24,13 +24,14 @@ def _train_on_rank(ckpt_dir: str, tp: int, pp: int):
     from megatron_tlt.parallel import ParallelLayout
 
     with ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp) as layout:
-        model, _ = policy.load_policy_checkpoint(ckpt_dir)
+        model, meta = policy.load_policy_checkpoint(ckpt_dir)
         model = mcore.wrap_ddp(model)
         optimizer = mcore.build_optimizer(model, lr=3e-3)
         microbatches = _fixed_microbatches()
         if layout.data_parallel_size > 1:  # each replica takes its share of the global batch
             microbatches = microbatches[layout.rank :: layout.data_parallel_size]
-        return [lm_train_step(model, optimizer, microbatches) for _ in range(NUM_STEPS)]
+        return [lm_train_step(model, optimizer, microbatches, vocab_size=meta.arch.vocab_size)
+                for _ in range(NUM_STEPS)]
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +61,18 @@ def test_tied_embedding_model_trains_identically_split_over_two_pipeline_stages(
     pp2 = run_on_ranks(_train_on_rank, 2, str(qwen2_mcore_tp2), 1, 2)[1]
     assert world1[-1] < world1[0] - 0.1
     assert pp2 == pytest.approx(world1, abs=1e-5)
+
+
+def test_first_step_loss_equals_transformers_cross_entropy_on_the_real_vocabulary(world1_losses, tiny_llama_dir):
+    # The vocabulary is padded (250 -> 256 rows); padded logits must not take probability mass.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    losses = []
+    with torch.no_grad():
+        for mb in _fixed_microbatches():
+            logits = model(mb.tokens_bs[:, :-1]).logits
+            token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), mb.tokens_bs[:, 1:], reduction="none")
+            mask = mb.loss_mask_bs[:, 1:].float()
+            losses.append(((token_loss * mask).sum() / mask.sum()).item())
+    assert world1_losses[0] == pytest.approx(sum(losses) / len(losses), abs=1e-5)
