@@ -9,9 +9,9 @@ from megatron_tlt.rl.data import (
     DataError,
     PromptDataConfig,
     PromptExample,
-    PromptSampler,
     load_prompt_dataset,
 )
+from megatron_tlt.rl.sampler import PromptSampler
 from megatron_tlt.tokenizer import load_tokenizer, train_sentencepiece
 
 # Rejects chats that do not start with the user, to exercise a template refusing a row.
