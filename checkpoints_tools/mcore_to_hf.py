@@ -20,10 +20,13 @@ logger = logging.getLogger(__name__)
 def _export_on_rank(ckpt_dir: str, staging: str, max_shard_size: str) -> None:
     from megatron_tlt import policy
     from megatron_tlt.parallel import ParallelLayout
+    from megatron_tlt.rl.weight_sync import iter_hf_tensors
 
     with ParallelLayout():
         model, meta = policy.load_policy_checkpoint(ckpt_dir)
-        tensors = policy.hf_state_dict(model, meta.arch)
+        # the same Megatron -> HF path as the weight sync; copies, since safetensors refuses shared storage
+        tensors = {name: tensor.clone() for name, tensor in
+                   iter_hf_tensors(model, meta.arch, padded_vocab_size=meta.padded_vocab_size)}
         write_hf_weights(tensors, Path(staging), max_shard_size=max_shard_size)
 
 

@@ -89,19 +89,6 @@ def load_hf_weights(model: torch.nn.Module, arch: PolicyArchitecture, get_hf: we
         target.copy_(shard)
 
 
-def hf_state_dict(model: torch.nn.Module, arch: PolicyArchitecture) -> dict[str, torch.Tensor]:
-    """HF tensors of a whole (TP=1, PP=1) model."""
-    stage = mcore.stage_info()
-    if stage.tp_size != 1 or stage.pp_size != 1:
-        raise ValueError("hf_state_dict needs the whole model on one rank (TP=1, PP=1)")
-    state = mcore.unwrap(model).state_dict()
-    out: dict[str, torch.Tensor] = {}
-    for name in weights.megatron_names(arch):
-        for hf_name, tensor in weights.to_hf(arch, name, state[name]):
-            out[hf_name] = tensor.detach().clone()
-    return out
-
-
 def build_policy(arch: PolicyArchitecture, *, dtype: str, padded_vocab_size: int) -> torch.nn.Module:
     return mcore.build_gpt_model(arch, dtype=dtype, padded_vocab_size=padded_vocab_size)
 

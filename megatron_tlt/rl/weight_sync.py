@@ -91,16 +91,18 @@ def _broadcast_pipeline(bucket: _Bucket, fulls: list[torch.Tensor] | None, shape
     return [piece.view(shape) for piece, shape in zip(torch.split(flat, sizes), shapes)]
 
 
-def iter_hf_tensors(model: torch.nn.Module, arch: PolicyArchitecture, *, padded_vocab_size: int,
-                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every HF tensor of the whole policy, on every rank (collective; consume it fully)."""
+def _element_size(model: torch.nn.Module) -> int:
+    return torch.empty((), dtype=mcore.unwrap(model).config.params_dtype).element_size()
+
+
+def _iter_buckets(model: torch.nn.Module, arch: PolicyArchitecture, padded_vocab_size: int,
+                  buckets: list[_Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
     stage = mcore.stage_info()
     layers_per_stage = arch.num_layers // stage.pp_size
     local_state = mcore.unwrap(model).state_dict()
     dtype = mcore.unwrap(model).config.params_dtype
     device = next(mcore.unwrap(model).parameters()).device
-    element_size = torch.empty((), dtype=dtype).element_size()
-    for bucket in _plan_buckets(arch, stage.pp_size, padded_vocab_size, element_size, bucket_bytes):
+    for bucket in buckets:
         fulls = None
         if stage.pp_rank == bucket.stage:
             shards = [local_state[weights.local_name(n, bucket.stage, layers_per_stage)].detach() for n in bucket.names]
@@ -111,6 +113,16 @@ def iter_hf_tensors(model: torch.nn.Module, arch: PolicyArchitecture, *, padded_
             yield from weights.to_hf(arch, name, full)
 
 
+def iter_hf_tensors(model: torch.nn.Module, arch: PolicyArchitecture, *, padded_vocab_size: int,
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of the whole policy, on every rank (collective; consume it fully).
+
+    Tensors may be views of the model's parameters: copy them before changing the model.
+    """
+    buckets = _plan_buckets(arch, mcore.stage_info().pp_size, padded_vocab_size, _element_size(model), bucket_bytes)
+    return _iter_buckets(model, arch, padded_vocab_size, buckets)
+
+
 def sync_policy_to_engine(model: torch.nn.Module, arch: PolicyArchitecture, engine, *, padded_vocab_size: int,
                           bucket_bytes: int = DEFAULT_BUCKET_BYTES, probe_prompts=None) -> SyncStats:
     """Stream the current policy into this rank's engine (collective over all ranks).
@@ -118,11 +130,11 @@ def sync_policy_to_engine(model: torch.nn.Module, arch: PolicyArchitecture, engi
     With ``probe_prompts`` and speculation on, a short greedy probe follows the sync so that a
     drafter silently lost in the reload raises the engine's acceptance alarm at once.
     """
+    buckets = _plan_buckets(arch, mcore.stage_info().pp_size, padded_vocab_size, _element_size(model), bucket_bytes)
     moved = {"bytes": 0}
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in iter_hf_tensors(model, arch, padded_vocab_size=padded_vocab_size,
-                                            bucket_bytes=bucket_bytes):
+        for name, tensor in _iter_buckets(model, arch, padded_vocab_size, buckets):
             moved["bytes"] += tensor.numel() * tensor.element_size()
             yield name, tensor
 
@@ -131,6 +143,4 @@ def sync_policy_to_engine(model: torch.nn.Module, arch: PolicyArchitecture, engi
     seconds = time.perf_counter() - started
     if probe_prompts and engine.speculative is not None:
         engine.probe_acceptance(probe_prompts)
-    element_size = torch.empty((), dtype=mcore.unwrap(model).config.params_dtype).element_size()
-    num_buckets = len(_plan_buckets(arch, mcore.stage_info().pp_size, padded_vocab_size, element_size, bucket_bytes))
-    return SyncStats(num_bytes=moved["bytes"], seconds=seconds, num_buckets=num_buckets)
+    return SyncStats(num_bytes=moved["bytes"], seconds=seconds, num_buckets=len(buckets))
