@@ -1,6 +1,6 @@
 """The ``tlt`` command: the only argv parser in megatron-tlt.
 
-  tlt train                                    the main job (for now: the Megatron/HF parity check)
+  tlt train [--config NAME|PATH] [--resume RUN_DIR] [key=value ...]   RL training (default: the tiny task)
   tlt convert hf-to-mcore --hf DIR --out DIR --tp N --pp M [--dtype float32|bfloat16|float16]
   tlt convert mcore-to-hf --ckpt DIR --out DIR
 
@@ -17,16 +17,23 @@ USER_ERROR_EXIT = 2
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from megatron_tlt.parity import PARITY_TOLERANCE, run_parity_check
+    from megatron_tlt.rl.run import start_run
 
-    print("tlt train: the RL loop is not built yet; running the Megatron <-> HF parity check")
-    all_ok = True
-    for r in run_parity_check():
-        all_ok &= r.ok
-        print(f"  {r.model:6s} TP={r.tensor_parallel_size} PP={r.pipeline_parallel_size}  "
-              f"max|logit diff|={r.max_abs_diff:.2e}  (tolerance {PARITY_TOLERANCE:.0e})  "
-              f"{'ok' if r.ok else 'FAIL'}", flush=True)
-    return 0 if all_ok else 1
+    run_dir, records = start_run(args.config, args.overrides, resume_dir=args.resume)
+    if records:
+        last = records[-1]
+        print(f"tlt train: {last['step']} steps done; last step reward {last['reward_mean']:.3f}, "
+              f"accuracy {last['accuracy']:.3f}, rollout idle share {100 * last['rollout_idle_share_mean']:.0f}%")
+        before = run_dir / "eval_before_rl.json"
+        if "eval/greedy_accuracy" in last and before.is_file():
+            import json
+
+            start = json.loads(before.read_text())
+            print(f"held-out accuracy before RL -> after: greedy {start['eval/greedy_accuracy']:.3f} -> "
+                  f"{last['eval/greedy_accuracy']:.3f}, sampled {start['eval/sampled_accuracy']:.3f} -> "
+                  f"{last['eval/sampled_accuracy']:.3f}")
+    print(f"run directory: {run_dir} (summary.json, tensorboard/, checkpoints/)")
+    return 0
 
 
 def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
@@ -50,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="run the main job")
+    train = commands.add_parser("train", help="RL-train a policy (no arguments: the embedded tiny default)")
+    train.add_argument("--config", default="tiny", help="config name under launch/configs or a YAML path")
+    train.add_argument("--resume", metavar="RUN_DIR", default=None,
+                       help="continue the run in RUN_DIR from its latest checkpoint (its config.yaml is used)")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.steps=5")
     train.set_defaults(func=_cmd_train)
 
     convert = commands.add_parser("convert", help="convert checkpoints between HF and Megatron")

@@ -60,6 +60,26 @@ class DataConfig:
     """Reward function: a registered name or "package.module:function"."""
     max_prompt_tokens: int = 128
     """Longer prompts are counted as malformed and skipped."""
+    synthetic_prompts: int = 4096
+    """Size of the built-in task's RL prompt set (when path is None)."""
+    held_out_prompts: int = 256
+    """Built-in task only: held-out problems whose greedy accuracy is measured (0 disables)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class WarmupConfig:
+    """Supervised warm-up of the built-in tiny policy (used only when model.hf_dir is None); cached."""
+
+    steps: int = 600
+    sequences_per_step: int = 32
+    """Worked solutions per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 4
+    lr: float = 3e-3
+    """Peak learning rate (linear warm-up over 10% of the steps, then cosine decay)."""
+    corpus_size: int = 8192
+    """Distinct problems the warm-up draws from."""
+    cache_dir: str | None = None
+    """Where the tokenizer and warmed-up policy are cached (None: $TLT_CACHE_DIR or ~/.cache/megatron-tlt)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -114,11 +134,19 @@ class TrainerConfig:
     """Prompts per step over all data-parallel ranks."""
     micro_batch_size: int = 4
     """Sequences per Megatron micro-batch in the log-prob and update passes."""
+    updates_per_step: int = 1
+    """Optimizer steps per rollout: the rollout is split into this many mini-batches (PPO-style)."""
     seed: int = 1234
     save_every: int = 5
     """Checkpoint every N steps (0: only at the end)."""
-    run_dir: str = "runs/tlt"
-    """Where config, tensorboard events, checkpoints and summary.json go."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept; older ones are deleted after a new one is complete."""
+    eval_every: int = 10
+    """Held-out evaluation every N steps, plus before the first and after the last (0: those two only)."""
+    capture_hidden_states: bool = False
+    """Keep the log-prob pass's final hidden states (the drafter's training features)."""
+    run_dir: str | None = None
+    """Where config, tensorboard events, checkpoints and summary.json go (None: runs/<time stamp>)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -128,6 +156,7 @@ class TLTConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -205,7 +234,11 @@ def validate(config: TLTConfig) -> None:
                         ("parallel.data_parallel_size", p.data_parallel_size),
                         ("rollout.samples_per_prompt", r.samples_per_prompt),
                         ("trainer.steps", t.steps), ("trainer.prompts_per_step", t.prompts_per_step),
-                        ("trainer.micro_batch_size", t.micro_batch_size)):
+                        ("trainer.micro_batch_size", t.micro_batch_size),
+                        ("trainer.updates_per_step", t.updates_per_step),
+                        ("rollout.max_response_tokens", r.max_response_tokens),
+                        ("warmup.sequences_per_step", config.warmup.sequences_per_step),
+                        ("warmup.micro_batch_size", config.warmup.micro_batch_size)):
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
     if t.prompts_per_step % p.data_parallel_size:
@@ -215,6 +248,15 @@ def validate(config: TLTConfig) -> None:
         raise ConfigError(f"algorithm.clip_low must be in [0, 1) and clip_high >= 0, got {a.clip_low}, {a.clip_high}")
     if not 0.0 < r.top_p <= 1.0 or r.temperature < 0.0:
         raise ConfigError(f"rollout.top_p must be in (0, 1] and temperature >= 0, got {r.top_p}, {r.temperature}")
+    if a.loss_aggregation not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+        raise ConfigError(f"algorithm.loss_aggregation must be token_mean, seq_mean_token_mean or "
+                          f"seq_mean_token_sum, got '{a.loss_aggregation}'")
+    if config.data.path is not None and config.model.hf_dir is None:
+        raise ConfigError("data.path needs model.hf_dir (a policy with its tokenizer); the built-in tiny "
+                          "policy only knows the built-in task")
+    if config.warmup.sequences_per_step % p.data_parallel_size:
+        raise ConfigError(f"warmup.sequences_per_step {config.warmup.sequences_per_step} is not divisible by "
+                          f"parallel.data_parallel_size {p.data_parallel_size}")
     if config.model.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got '{config.model.dtype}'")
 

@@ -1,8 +1,10 @@
 """Next-token (supervised) training of the policy through Megatron's schedule, DDP and optimizer.
 
 Used to check that Megatron training runs on this machine at any layout, and by the supervised
-warm-up of the tiny default. Loss: mean token cross-entropy over the tokens whose loss mask is 1,
-computed on vocab-parallel logits (never gathered).
+warm-up of the tiny default. Loss: token cross-entropy over the tokens whose loss mask is 1,
+computed on vocab-parallel logits (never gathered). The loss function hands Megatron a (sum, count)
+pair: with ``calculate_per_token_loss`` on, Megatron normalises by the tokens of the whole global
+batch (all micro-batches, all data-parallel ranks); off, by each micro-batch's own count, averaged.
 """
 
 from __future__ import annotations
@@ -32,25 +34,34 @@ def _forward_step(data_iterator, model, *, vocab_size: int):
 
     def loss_fn(logits_bsv: torch.Tensor):
         token_loss = mcore.vocab_parallel_cross_entropy(logits_bsv, labels, vocab_size)
-        loss = (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-        # clone: the schedule later divides `loss` in place by the number of micro-batches
-        return loss, {"lm_loss": loss.detach().clone()}
+        loss_sum = (token_loss * mask).sum()
+        num_tokens = mask.sum().to(torch.int)
+        mean = loss_sum.detach() / num_tokens.clamp(min=1)
+        return loss_sum, num_tokens, {"lm_loss": mean}
 
     return output, loss_fn
+
+
+def check_microbatch_shapes(shapes: list[tuple[int, ...]]) -> None:
+    """Pipeline stages exchange activations of one static shape: micro-batches must agree then."""
+    if mcore.stage_info().pp_size > 1 and len(set(shapes)) > 1:
+        raise ValueError(f"pipeline parallelism needs micro-batches of one shape; got {sorted(set(shapes))}")
 
 
 def lm_train_step(model: torch.nn.Module, optimizer, microbatches: list[LMMicroBatch], *,
                   vocab_size: int) -> float | None:
     """One optimizer step over ``microbatches`` (gradient accumulation across them).
 
-    Collective over all ranks. Returns the mean micro-batch loss on the last pipeline stage
-    (None elsewhere); gradients are averaged over data-parallel replicas by Megatron's DDP.
+    Collective over all ranks. Micro-batches may differ in length when PP = 1. Returns the mean
+    micro-batch loss on the last pipeline stage (None elsewhere).
     """
+    check_microbatch_shapes([tuple(mb.tokens_bs.shape) for mb in microbatches])
     model.train()
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    b, s = microbatches[0].tokens_bs.shape
-    reports = mcore.run_schedule(model, functools.partial(_forward_step, vocab_size=vocab_size), microbatches, seq_length=s - 1, micro_batch_size=b,
+    reports = mcore.run_schedule(model, functools.partial(_forward_step, vocab_size=vocab_size), microbatches,
+                                 seq_length=max(mb.tokens_bs.shape[1] for mb in microbatches) - 1,
+                                 micro_batch_size=max(mb.tokens_bs.shape[0] for mb in microbatches),
                                  forward_only=False)
     update_ok, _grad_norm, _ = optimizer.step()
     if not update_ok:

@@ -21,6 +21,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 
@@ -81,6 +82,19 @@ def tensor_parallel_group():
 
 def pipeline_parallel_group():
     return parallel_state.get_pipeline_model_parallel_group()
+
+
+def model_parallel_group():
+    """The tp x pp ranks that together hold one replica of the policy."""
+    return parallel_state.get_model_parallel_group()
+
+
+def data_parallel_rank() -> int:
+    return parallel_state.get_data_parallel_rank()
+
+
+def data_parallel_size() -> int:
+    return parallel_state.get_data_parallel_world_size()
 
 
 def broadcast_from_last_stage(tensor: torch.Tensor) -> None:
@@ -152,9 +166,14 @@ def _apply_llama3_rope_scaling(model: GPTModel, arch: PolicyArchitecture) -> Non
     rope.forward.cache_clear()  # forward is lru_cached on sequence length
 
 
-def build_gpt_model(arch: PolicyArchitecture, *, dtype: str = "float32", padded_vocab_size: int) -> GPTModel:
-    """This rank's stage of the policy as a Megatron GPTModel (local layer spec)."""
-    config = transformer_config(arch, dtype=dtype)
+def build_gpt_model(arch: PolicyArchitecture, *, dtype: str = "float32", padded_vocab_size: int,
+                    per_token_loss: bool = False) -> GPTModel:
+    """This rank's stage of the policy as a Megatron GPTModel (local layer spec).
+
+    ``per_token_loss`` switches on Megatron's ``calculate_per_token_loss``: loss functions return a
+    (sum, count) pair and gradients are divided by the count summed over the whole global batch.
+    """
+    config = transformer_config(arch, dtype=dtype, calculate_per_token_loss=per_token_loss)
     stage = stage_info()
     model = GPTModel(
         config=config,
@@ -199,10 +218,11 @@ def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True) -> Distribute
 
 
 def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: float = 0.0,
-                    clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999):
+                    clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999, min_lr: float = 0.0):
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
+        min_lr=min_lr,  # the param groups carry max/min lr; Megatron's LR scheduler reads them
         weight_decay=weight_decay,
         clip_grad=clip_grad,
         adam_beta1=adam_beta1,
@@ -215,6 +235,18 @@ def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: 
     optimizer = get_megatron_optimizer(config, [model])
     model.config.grad_scale_func = optimizer.scale_loss  # fp16 loss scaling; identity otherwise
     return optimizer
+
+
+def build_lr_scheduler(optimizer, *, lr: float, warmup_steps: int, total_steps: int, min_lr: float = 0.0,
+                       style: str = "cosine") -> OptimizerParamScheduler:
+    """Megatron's learning-rate schedule: linear warm-up to ``lr``, then ``style`` decay to ``min_lr``;
+    call ``.step(1)`` after every optimizer step."""
+    wd = optimizer.param_groups[0]["weight_decay"] if optimizer.param_groups else 0.0
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(total_steps, warmup_steps + 1), lr_decay_style=style,
+        start_wd=wd, end_wd=wd, wd_incr_steps=1, wd_incr_style="constant",
+    )
 
 
 # ----------------------------------------------------------------------------- schedules

@@ -89,8 +89,10 @@ def load_hf_weights(model: torch.nn.Module, arch: PolicyArchitecture, get_hf: we
         target.copy_(shard)
 
 
-def build_policy(arch: PolicyArchitecture, *, dtype: str, padded_vocab_size: int) -> torch.nn.Module:
-    return mcore.build_gpt_model(arch, dtype=dtype, padded_vocab_size=padded_vocab_size)
+def build_policy(arch: PolicyArchitecture, *, dtype: str, padded_vocab_size: int,
+                 per_token_loss: bool = False) -> torch.nn.Module:
+    return mcore.build_gpt_model(arch, dtype=dtype, padded_vocab_size=padded_vocab_size,
+                                 per_token_loss=per_token_loss)
 
 
 def save_policy_checkpoint(model: torch.nn.Module, ckpt_dir: Path, meta: PolicyCheckpointMeta) -> None:
@@ -100,7 +102,8 @@ def save_policy_checkpoint(model: torch.nn.Module, ckpt_dir: Path, meta: PolicyC
         meta.write(ckpt_dir)
 
 
-def load_policy_checkpoint(ckpt_dir: str | Path, *, dtype: str | None = None) -> tuple[torch.nn.Module, PolicyCheckpointMeta]:
+def load_policy_checkpoint(ckpt_dir: str | Path, *, dtype: str | None = None,
+                           per_token_loss: bool = False) -> tuple[torch.nn.Module, PolicyCheckpointMeta]:
     """Build this rank's policy stage at the current layout and fill it from ``ckpt_dir``."""
     meta = PolicyCheckpointMeta.read(ckpt_dir)
     arch = meta.arch
@@ -110,7 +113,8 @@ def load_policy_checkpoint(ckpt_dir: str | Path, *, dtype: str | None = None) ->
         raise CheckpointError(
             f"{ckpt_dir}: padded vocabulary {meta.padded_vocab_size} is not divisible by tensor parallel size {stage.tp_size}"
         )
-    model = build_policy(arch, dtype=dtype or meta.dtype, padded_vocab_size=meta.padded_vocab_size)
+    model = build_policy(arch, dtype=dtype or meta.dtype, padded_vocab_size=meta.padded_vocab_size,
+                         per_token_loss=per_token_loss)
     mcore.load_distributed(model, Path(ckpt_dir) / MODEL_SUBDIR)
     return model, meta
 

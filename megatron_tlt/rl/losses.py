@@ -25,6 +25,7 @@ No I/O, no process groups: every function here runs on CPU in a unit test.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
@@ -59,24 +60,35 @@ def _masked(values_bt: Tensor, valid_bt: Tensor) -> Tensor:
     return torch.where(valid_bt, values_bt.float(), 0.0)
 
 
-def aggregate_loss(values_bt: Tensor, mask_bt: Tensor, aggregation: Aggregation = "token_mean") -> Tensor:
-    """Reduces per-token ``values_bt`` [b, t] over the valid tokens of ``mask_bt`` [b, t] to a scalar.
+def aggregate_parts(values_bt: Tensor, mask_bt: Tensor, aggregation: Aggregation = "token_mean") -> tuple[Tensor, Tensor]:
+    """``(numerator, count)`` whose ratio is ``aggregate_loss``: the numerator is a sum (over tokens, or
+    over rows of per-row values) and the count is the valid tokens or non-empty rows (int).
 
-    See the module docstring for the three modes. Invalid positions are ignored, whatever they hold.
+    Sums of both over micro-batches and data-parallel ranks give the aggregate of the *global* batch,
+    which is how the trainer normalises (Megatron's ``calculate_per_token_loss``).
     """
     valid_bt = _valid_mask(mask_bt, values_bt, "values_bt")
     values_bt = _masked(values_bt, valid_bt)
     num_tokens_b = valid_bt.sum(dim=1)
     if aggregation == "token_mean":
-        return values_bt.sum() / num_tokens_b.sum().clamp(min=1)
+        return values_bt.sum(), num_tokens_b.sum()
     if aggregation == "seq_mean_token_mean":
         per_seq_b = values_bt.sum(dim=1) / num_tokens_b.clamp(min=1)
     elif aggregation == "seq_mean_token_sum":
         per_seq_b = values_bt.sum(dim=1)
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}; known: {', '.join(AGGREGATIONS)}")
-    # Empty rows have per_seq 0, so summing all rows and dividing by the non-empty count leaves them out.
-    return per_seq_b.sum() / (num_tokens_b > 0).sum().clamp(min=1)
+    # Empty rows have per_seq 0, so summing all rows and counting the non-empty ones leaves them out.
+    return per_seq_b.sum(), (num_tokens_b > 0).sum()
+
+
+def aggregate_loss(values_bt: Tensor, mask_bt: Tensor, aggregation: Aggregation = "token_mean") -> Tensor:
+    """Reduces per-token ``values_bt`` [b, t] over the valid tokens of ``mask_bt`` [b, t] to a scalar.
+
+    See the module docstring for the three modes. Invalid positions are ignored, whatever they hold.
+    """
+    numerator, count = aggregate_parts(values_bt, mask_bt, aggregation)
+    return numerator / count.clamp(min=1)
 
 
 def kl_penalty(logprobs_bt: Tensor, ref_logprobs_bt: Tensor, kind: KLKind = "k3") -> Tensor:
@@ -135,12 +147,37 @@ def ppo_clip_policy_loss(
         ``approx_kl`` (k3 estimate of KL(old || current) - the samples come from the old policy),
         ``ratio_mean``.
     """
+    terms = ppo_clip_token_terms(logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt,
+                                 clip_low=clip_low, clip_high=clip_high)
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; known: {', '.join(AGGREGATIONS)}")
+    loss = aggregate_loss(terms.loss_bt, terms.valid_bt, aggregation)
+    metrics = {name: aggregate_loss(values_bt, terms.valid_bt) for name, values_bt in terms.stats_bt.items()}
+    return loss, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenTerms:
+    """Per-token pieces of the policy loss, before aggregation."""
+
+    loss_bt: Tensor
+    """Loss per token (0 at invalid positions), with grad."""
+    valid_bt: Tensor
+    """Bool mask of valid tokens."""
+    stats_bt: dict[str, Tensor]
+    """Detached per-token float diagnostics; their token means are the reported metrics."""
+
+
+def ppo_clip_token_terms(
+    logprobs_bt: Tensor, old_logprobs_bt: Tensor, advantages_bt: Tensor, mask_bt: Tensor, *,
+    clip_low: float = 0.2, clip_high: float = 0.2,
+) -> TokenTerms:
+    """The PPO clipped surrogate per token (see ``ppo_clip_policy_loss``), with its diagnostics:
+    ``clip_fraction``, ``clip_fraction_low``, ``clip_fraction_high``, ``approx_kl``, ``ratio_mean``."""
     if not 0.0 <= clip_low < 1.0:
         raise ValueError(f"clip_low must be in [0, 1) so the lower ratio bound 1 - clip_low stays > 0, got {clip_low}")
     if clip_high < 0.0:
         raise ValueError(f"clip_high must be >= 0, got {clip_high}")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; known: {', '.join(AGGREGATIONS)}")
     valid_bt = _valid_mask(mask_bt, logprobs_bt)
     _check_same_shape("old_logprobs_bt", old_logprobs_bt, logprobs_bt)
     if advantages_bt.dim() != 2 or advantages_bt.shape[0] != logprobs_bt.shape[0] or \
@@ -158,20 +195,40 @@ def ppo_clip_policy_loss(
 
     unclipped_bt = -advantages_bt * ratio_bt
     clipped_bt = -advantages_bt * ratio_bt.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss_bt = torch.maximum(unclipped_bt, clipped_bt)
-    loss = aggregate_loss(loss_bt, valid_bt, aggregation)
+    loss_bt = torch.where(valid_bt, torch.maximum(unclipped_bt, clipped_bt), 0.0)
 
     with torch.no_grad():
         is_clipped_bt = clipped_bt > unclipped_bt  # the clipped term is the active one: no gradient
-        metrics = {
-            "clip_fraction": aggregate_loss(is_clipped_bt.float(), valid_bt),
-            "clip_fraction_low": aggregate_loss((is_clipped_bt & (ratio_bt < 1.0)).float(), valid_bt),
-            "clip_fraction_high": aggregate_loss((is_clipped_bt & (ratio_bt > 1.0)).float(), valid_bt),
+        stats_bt = {
+            "clip_fraction": is_clipped_bt.float(),
+            "clip_fraction_low": (is_clipped_bt & (ratio_bt < 1.0)).float(),
+            "clip_fraction_high": (is_clipped_bt & (ratio_bt > 1.0)).float(),
             # kl_penalty(old, current) = ratio - log(ratio) - 1: KL(old || current) sampled from old.
-            "approx_kl": aggregate_loss(kl_penalty(torch.zeros_like(log_ratio_bt), log_ratio_bt, "k3"), valid_bt),
-            "ratio_mean": aggregate_loss(ratio_bt, valid_bt),
+            "approx_kl": kl_penalty(torch.zeros_like(log_ratio_bt), log_ratio_bt, "k3"),
+            "ratio_mean": ratio_bt.detach(),
         }
-    return loss, metrics
+    return TokenTerms(loss_bt=loss_bt, valid_bt=valid_bt, stats_bt=stats_bt)
+
+
+def policy_token_terms(
+    logprobs_bt: Tensor, old_logprobs_bt: Tensor, advantages_bt: Tensor, mask_bt: Tensor, *,
+    ref_logprobs_bt: Tensor | None = None, kl_coef: float = 0.0, kl_kind: KLKind = "k3",
+    clip_low: float = 0.2, clip_high: float = 0.2,
+) -> TokenTerms:
+    """Per-token ``pg + kl_coef * kl`` with the diagnostics of ``ppo_clip_token_terms`` plus ``pg_loss``
+    and, with a reference, ``kl``. Aggregation is linear, so aggregating these terms equals
+    ``policy_loss_with_kl``; the trainer aggregates them over its whole global batch."""
+    if kl_coef != 0.0 and ref_logprobs_bt is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs_bt; pass the reference log-probs or set kl_coef=0")
+    terms = ppo_clip_token_terms(logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt,
+                                 clip_low=clip_low, clip_high=clip_high)
+    stats_bt = dict(terms.stats_bt, pg_loss=terms.loss_bt.detach())
+    if ref_logprobs_bt is None:
+        return dataclasses.replace(terms, stats_bt=stats_bt)
+    valid_bt = terms.valid_bt
+    kl_bt = torch.where(valid_bt, kl_penalty(_masked(logprobs_bt, valid_bt), _masked(ref_logprobs_bt, valid_bt), kl_kind), 0.0)
+    stats_bt["kl"] = kl_bt.detach()
+    return TokenTerms(loss_bt=terms.loss_bt + kl_coef * kl_bt, valid_bt=valid_bt, stats_bt=stats_bt)
 
 
 def policy_loss_with_kl(
@@ -199,17 +256,14 @@ def policy_loss_with_kl(
         ``(loss, metrics)``: the metrics of ``ppo_clip_policy_loss`` plus ``pg_loss`` and, with a
         reference, ``kl`` (the aggregated, unweighted KL).
     """
-    if kl_coef != 0.0 and ref_logprobs_bt is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs_bt; pass the reference log-probs or set kl_coef=0")
-    pg_loss, metrics = ppo_clip_policy_loss(
-        logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt,
-        clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
-    )
-    metrics["pg_loss"] = pg_loss.detach()
-    if ref_logprobs_bt is None:
-        return pg_loss, metrics
-    valid_bt = _valid_mask(mask_bt, logprobs_bt)
-    kl_bt = kl_penalty(_masked(logprobs_bt, valid_bt), _masked(ref_logprobs_bt, valid_bt), kl_kind)
-    kl = aggregate_loss(kl_bt, valid_bt, aggregation)
-    metrics["kl"] = kl.detach()
-    return pg_loss + kl_coef * kl, metrics
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; known: {', '.join(AGGREGATIONS)}")
+    terms = policy_token_terms(logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt, ref_logprobs_bt=ref_logprobs_bt,
+                               kl_coef=kl_coef, kl_kind=kl_kind, clip_low=clip_low, clip_high=clip_high)
+    loss = aggregate_loss(terms.loss_bt, terms.valid_bt, aggregation)
+    metrics = {name: aggregate_loss(values_bt, terms.valid_bt) for name, values_bt in terms.stats_bt.items()
+               if name not in ("pg_loss", "kl")}
+    for name in ("pg_loss", "kl"):  # aggregated like the loss they are part of
+        if name in terms.stats_bt:
+            metrics[name] = aggregate_loss(terms.stats_bt[name], terms.valid_bt, aggregation)
+    return loss, metrics

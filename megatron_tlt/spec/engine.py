@@ -189,6 +189,9 @@ class RolloutEngine:
                     speculative_config=speculative_config,
                     # sleep/wake frees the KV cache while the rank trains; only vLLM's GPU allocator has it
                     enable_sleep_mode=torch.cuda.is_available(),
+                    # A prompt split over two steps rewinds its seeded generator, which CPU generators
+                    # cannot do ("CPU Generator does not use offset"): schedule whole prompts on CPU.
+                    enable_chunked_prefill=torch.cuda.is_available(),
                 )
         except Exception as err:  # vLLM raises bare RuntimeError/ValueError/OOM from deep inside
             raise EngineError(f"vLLM engine failed to start on rank {rank}: {type(err).__name__}: {err}") from err

@@ -1,0 +1,116 @@
+"""Atomic RL checkpoints: policy, optimizer, data position and RNG, so a killed run resumes exactly.
+
+    checkpoints/step_000010/
+        policy/                  Megatron distributed checkpoint + tlt_checkpoint.json (any TP/PP)
+        optimizer/tp0_pp0.pt     Adam state of each model-parallel shard (written by DP rank 0)
+        trainer/rank0.pt         per rank: prompt sampler position and RNG states
+        trainer.json             the step and layout; written last
+
+Everything is written into ``.step_000010.tmp`` and renamed into place by rank 0 after every rank
+has finished, so a directory named ``step_N`` is always complete; older ones are then pruned.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_tlt import mcore, policy
+from megatron_tlt.hf_io import CheckpointError
+
+CHECKPOINTS_DIR = "checkpoints"
+POLICY_SUBDIR = "policy"
+TRAINER_META = "trainer.json"
+
+
+def _step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS_DIR / f"step_{step:06d}"
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, meta: policy.PolicyCheckpointMeta,
+                    sampler_state: dict, dp_rank: int, keep: int) -> Path:
+    """Collective over all ranks; returns the final directory."""
+    final = _step_dir(run_dir, step)
+    staging = final.with_name(f".{final.name}.tmp")
+    rank = dist.get_rank()
+    if rank == 0 and staging.exists():  # left by a run killed mid-save
+        shutil.rmtree(staging)
+    dist.barrier()
+    policy.save_policy_checkpoint(model, staging / POLICY_SUBDIR, meta)
+    stage = mcore.stage_info()
+    if dp_rank == 0:
+        (staging / "optimizer").mkdir(parents=True, exist_ok=True)
+        torch.save(optimizer.state_dict(), staging / "optimizer" / f"tp{stage.tp_rank}_pp{stage.pp_rank}.pt")
+    (staging / "trainer").mkdir(parents=True, exist_ok=True)
+    torch.save({"sampler": sampler_state, "rng": rng_state()}, staging / "trainer" / f"rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        layout = {"tensor_parallel_size": stage.tp_size, "pipeline_parallel_size": stage.pp_size,
+                  "world_size": dist.get_world_size()}
+        (staging / TRAINER_META).write_text(json.dumps({"step": step, "layout": layout}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = run_dir / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    complete = [p for p in root.glob("step_*") if (p / TRAINER_META).is_file()]
+    return sorted(complete, key=lambda p: int(p.name.split("_")[1]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    return int(json.loads((ckpt / TRAINER_META).read_text())["step"])
+
+
+def load_checkpoint_state(ckpt: Path, *, optimizer) -> dict:
+    """Load the optimizer (must be built for the same TP/PP layout) and return this rank's trainer
+    state (sampler position and RNG). The policy itself is loaded by ``policy.load_policy_checkpoint``."""
+    meta = json.loads((ckpt / TRAINER_META).read_text())
+    stage = mcore.stage_info()
+    saved = meta["layout"]
+    if (saved["tensor_parallel_size"], saved["pipeline_parallel_size"]) != (stage.tp_size, stage.pp_size):
+        raise CheckpointError(
+            f"{ckpt}: saved at tensor_parallel_size {saved['tensor_parallel_size']} x pipeline_parallel_size "
+            f"{saved['pipeline_parallel_size']}; resume with the same layout (the policy alone loads at any "
+            "layout with `tlt convert`)")
+    optimizer_file = ckpt / "optimizer" / f"tp{stage.tp_rank}_pp{stage.pp_rank}.pt"
+    optimizer.load_state_dict(torch.load(optimizer_file, weights_only=False))
+    rank = dist.get_rank()
+    trainer_file = ckpt / "trainer" / f"rank{rank}.pt"
+    if not trainer_file.is_file():  # resumed on more ranks than saved: rank 0's RNG, the sampler re-slices
+        trainer_file = ckpt / "trainer" / "rank0.pt"
+    return torch.load(trainer_file, weights_only=False)

@@ -1,0 +1,117 @@
+"""Where the RL policy starts from: an HF model directory, or the tiny default warmed up (cached).
+
+Both give a Megatron model at the current layout, built with per-token loss normalisation (what
+the RL update needs), plus the metadata a policy checkpoint records. The warmed-up tiny policy is
+kept as an ordinary policy checkpoint in the cache, so it also converts with ``tlt convert``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_tlt import mcore, policy
+from megatron_tlt.config import TLTConfig
+from megatron_tlt.hf_io import HFCheckpointReader
+from megatron_tlt.model_config import PolicyArchitecture
+from megatron_tlt.rl import tiny_default
+from megatron_tlt.rl.warmup import WarmupSchedule, run_warmup
+from megatron_tlt.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def _meta(arch: PolicyArchitecture, dtype: str) -> policy.PolicyCheckpointMeta:
+    stage = mcore.stage_info()
+    return policy.PolicyCheckpointMeta(
+        format_version=policy.FORMAT_VERSION, hf_config=arch.hf_config,
+        padded_vocab_size=arch.padded_vocab_size(stage.tp_size), dtype=dtype,
+        saved_tensor_parallel_size=stage.tp_size, saved_pipeline_parallel_size=stage.pp_size)
+
+
+def warmed_up_dir(config: TLTConfig, tokenizer: Tokenizer) -> Path:
+    """The cache entry of the warmed-up tiny policy for this config (it may not exist yet)."""
+    warmup = {k: v for k, v in dataclasses.asdict(config.warmup).items() if k != "cache_dir"}
+    key = tiny_default.cache_key(kind="warmup", policy=tiny_default.TINY_POLICY_CONFIG, vocab=tokenizer.vocab_size,
+                                 warmup=warmup, seed=config.trainer.seed, dtype=config.model.dtype)
+    return tiny_default.cache_root(config.warmup.cache_dir) / f"policy-{key}"
+
+
+def _warm_up_tiny_policy(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyArchitecture, final: Path,
+                         show_progress: bool) -> None:
+    """Build the tiny policy from Megatron's initialisation, warm it up and publish it at ``final``."""
+    model = policy.build_policy(arch, dtype=config.model.dtype, padded_vocab_size=arch.padded_vocab_size(
+        mcore.stage_info().tp_size), per_token_loss=True)
+    ddp = mcore.wrap_ddp(model)
+    optimizer = mcore.build_optimizer(ddp, lr=config.warmup.lr, weight_decay=0.0, clip_grad=1.0)
+    schedule = WarmupSchedule(steps=config.warmup.steps, sequences_per_step=config.warmup.sequences_per_step,
+                              micro_batch_size=config.warmup.micro_batch_size, lr=config.warmup.lr,
+                              seed=config.trainer.seed)
+    corpus = tiny_default.warmup_sequences(tokenizer, config.warmup.corpus_size)
+    progress = None
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=schedule.steps, desc="supervised warm-up (cached for later runs)", unit="step",
+                        dynamic_ncols=True)
+
+    def on_step(step: int, loss: float | None) -> None:
+        if progress is not None:
+            progress.update(1)
+            if loss is not None:
+                progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    run_warmup(ddp, optimizer, corpus, schedule, vocab_size=arch.vocab_size, pad_id=tokenizer.pad_id,
+               dp_rank=mcore.data_parallel_rank(), dp_size=mcore.data_parallel_size(), on_step=on_step)
+    if progress is not None:
+        progress.close()
+    # Same staging name on every rank (the save is collective), unique to this cache entry.
+    staging = final.parent / f".{final.name}.{hashlib.sha1(str(final).encode()).hexdigest()[:8]}.tmp"
+    if dist.get_rank() == 0 and staging.exists():
+        shutil.rmtree(staging)
+    dist.barrier()
+    policy.save_policy_checkpoint(ddp, staging, _meta(arch, config.model.dtype))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tiny_default.publish_dir(staging, final)
+    dist.barrier()
+
+
+def initial_policy_dir(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyArchitecture, *,
+                       show_progress: bool) -> Path | None:
+    """For the tiny default: the warmed-up policy checkpoint, made now if not cached (collective).
+    None for an HF policy (loaded with ``load_hf_policy``)."""
+    if config.model.hf_dir is not None:
+        return None
+    final = warmed_up_dir(config, tokenizer)
+    if not (final / policy.META_FILE).is_file():
+        _warm_up_tiny_policy(config, tokenizer, arch, final, show_progress)
+    elif show_progress:
+        logger.info("using the cached warmed-up policy %s", final)
+    return final
+
+
+def load_hf_policy(hf_dir: str, arch: PolicyArchitecture, dtype: str) -> torch.nn.Module:
+    padded = arch.padded_vocab_size(mcore.stage_info().tp_size)
+    model = policy.build_policy(arch, dtype=dtype, padded_vocab_size=padded, per_token_loss=True)
+    reader = HFCheckpointReader(hf_dir)
+    policy.load_hf_weights(model, arch, lambda n: reader.get(n).to(model.config.params_dtype), padded)
+    return model
+
+
+def load_policy(config: TLTConfig, arch: PolicyArchitecture, source: Path | None) -> torch.nn.Module:
+    """The policy from a policy checkpoint directory, or from ``model.hf_dir`` when ``source`` is None."""
+    if source is None:
+        return load_hf_policy(config.model.hf_dir, arch, config.model.dtype)
+    model, _ = policy.load_policy_checkpoint(source, dtype=config.model.dtype, per_token_loss=True)
+    return model
+
+
+def checkpoint_meta(arch: PolicyArchitecture, dtype: str) -> policy.PolicyCheckpointMeta:
+    return _meta(arch, dtype)

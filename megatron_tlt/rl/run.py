@@ -1,0 +1,52 @@
+"""Start or resume an RL run from the command line: resolve the config and run directory, make the
+cached artifacts the ranks share, then launch the ranks (``tlt train`` calls ``start_run``).
+
+Kept free of Megatron and vLLM imports: the parent process only prepares and launches.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_tlt.config import ConfigError, load_config, to_yaml, world_size
+from megatron_tlt.rl import run_dir as run_files
+
+
+def _train_on_rank(config, run_dir: str, resume: bool):
+    from megatron_tlt.rl.trainer import train_on_rank  # imported in the rank: Megatron, vLLM
+
+    return train_on_rank(config, run_dir, resume)
+
+
+def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str | None = None):
+    """Run to ``trainer.steps``; returns (run directory, summary records)."""
+    from megatron_tlt.launcher import run_on_ranks
+    from megatron_tlt.rl import checkpoint, tiny_default
+
+    if resume_dir is not None:
+        run_dir = Path(resume_dir)
+        config_file = run_dir / run_files.CONFIG_FILE
+        if not config_file.is_file():
+            raise run_files.RunDirError(f"{run_dir}: not a run directory ({run_files.CONFIG_FILE} missing)")
+        config = load_config(str(config_file), overrides)
+        if checkpoint.latest_checkpoint(run_dir) is None:
+            raise run_files.RunDirError(f"{run_dir}: no complete checkpoint to resume from")
+        config.trainer.run_dir = str(run_dir)
+        run_files.write_atomic(config_file, to_yaml(config))  # overrides (e.g. more steps) stick
+    else:
+        config = load_config(config_name, overrides)
+        run_dir = Path(config.trainer.run_dir or run_files.default_run_dir())
+        config.trainer.run_dir = str(run_dir)
+        run_files.prepare_new_run_dir(run_dir, to_yaml(config))
+    if config.model.hf_dir is None:  # every rank loads the same tokenizer: make it once, here
+        tiny_default.ensure_tokenizer(tiny_default.cache_root(config.warmup.cache_dir))
+    # vLLM warns about things that do not apply here (no tokenizer by design, the rotary embedding
+    # having no weights to reload); keep the console for progress and results.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    results = run_on_ranks(_train_on_rank, world_size(config), config, str(run_dir), resume_dir is not None,
+                           isolated=True)
+    return run_dir, results[0]
+
+
+__all__ = ["start_run", "ConfigError"]

@@ -1,0 +1,112 @@
+"""The run directory and what rank 0 reports into it.
+
+    RUN_DIR/config.yaml        the resolved configuration (``tlt train --resume RUN_DIR`` reads it back)
+    RUN_DIR/summary.json       one record per RL step (rewritten atomically after every step)
+    RUN_DIR/eval_before_rl.json held-out accuracy of the starting policy
+    RUN_DIR/timeline.jsonl     every rank's BUSY/IDLE spans, one JSON object per span
+    RUN_DIR/tensorboard/       scalars: reward, accuracy, lengths, phase times, idle share per rank
+    RUN_DIR/checkpoints/step_N/ atomic checkpoints (``rl/checkpoint.py``)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+CONFIG_FILE = "config.yaml"
+SUMMARY_FILE = "summary.json"
+TIMELINE_FILE = "timeline.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+EVAL_BEFORE_RL_FILE = "eval_before_rl.json"
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be started or resumed as asked."""
+
+
+def default_run_dir() -> str:
+    return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def prepare_new_run_dir(run_dir: Path, config_yaml: str) -> None:
+    """Create ``run_dir`` for a new run; refuse one that already holds a run (``--resume`` continues it)."""
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise RunDirError(f"run directory {run_dir} already holds a run: continue it with "
+                          f"`tlt train --resume {run_dir}`, or choose another trainer.run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / CONFIG_FILE, config_yaml)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+class RunReporter:
+    """Rank 0's outputs: summary.json, timeline.jsonl, tensorboard scalars and the progress bar."""
+
+    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, records: list[dict]):
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm.auto import tqdm
+
+        self.run_dir = run_dir
+        self.records = records
+        # purge_step drops events a killed run wrote past the checkpoint we resume from.
+        self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else None)
+        self.progress = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True)
+
+    def log_step(self, record: dict, timeline_records: list[dict]) -> None:
+        step = record["step"]
+        self.records.append(_json_safe(record))
+        write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(self.records, indent=1))
+        with open(self.run_dir / TIMELINE_FILE, "a") as out:
+            for span in timeline_records:
+                out.write(json.dumps(span) + "\n")
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key != "step":
+                self.writer.add_scalar(key, value, step)
+            elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+                for rank, v in enumerate(value):
+                    self.writer.add_scalar(f"{key}/rank{rank}", v, step)
+        self.writer.flush()
+        self.progress.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.3f}",
+                                  len=f"{record['response_length_mean']:.0f}",
+                                  idle=f"{100 * record['rollout_idle_share_mean']:.0f}%", refresh=False)
+        self.progress.update(1)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+        self.progress.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+
+    def close(self) -> None:
+        self.progress.close()
+        self.writer.close()
+
+
+def read_summary(run_dir: Path) -> list[dict]:
+    path = run_dir / SUMMARY_FILE
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def truncate_timeline(run_dir: Path, last_step: int) -> None:
+    """Drop timeline spans of steps after ``last_step`` (written by a run killed after its checkpoint)."""
+    path = run_dir / TIMELINE_FILE
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+        write_atomic(path, "".join(line + "\n" for line in kept))

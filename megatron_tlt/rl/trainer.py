@@ -1,0 +1,394 @@
+"""The RL loop on every rank: rollout -> reward -> log-prob -> update -> sync (DESIGN.md section 1).
+
+Ranks and their work:
+  * each data-parallel (DP) rank owns a slice of every step's prompts; the tp x pp ranks of its
+    model-parallel group share them out for rollout (every rank has its own vLLM engine holding the
+    full policy), then exchange the results, so generation uses every rank;
+  * rewards are scored where a response was generated; advantages are group-relative over the n
+    samples of a prompt (a group never spans DP ranks);
+  * the log-prob pass and the update run through Megatron's schedules on the model-parallel group,
+    gradients are all-reduced over DP, and the token mean covers the global batch (``rl/update.py``);
+  * the sync streams the new weights into every engine (``rl/weight_sync.py``).
+Rollout ends at a barrier over all ranks, so each rank's idle time in the long tail is measured
+exactly; every phase is timed per rank (``rl/timeline.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_tlt import mcore
+from megatron_tlt.config import TLTConfig
+from megatron_tlt.model_config import load_architecture
+from megatron_tlt.rl import checkpoint, policy_source, run_dir as run_files, tiny_default
+from megatron_tlt.rl.actor import compute_logprobs
+from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
+from megatron_tlt.rl.data import PromptDataConfig, PromptExample, load_prompt_dataset
+from megatron_tlt.rl.rewards import get_reward_fn
+from megatron_tlt.rl.sampler import PromptSampler
+from megatron_tlt.rl.timeline import BUSY, IDLE, RankTimeline, rollout_idle_shares
+from megatron_tlt.rl.update import LossSettings, PolicySequence, policy_update_step
+from megatron_tlt.rl.weight_sync import sync_policy_to_engine
+from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings
+from megatron_tlt.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+EVAL_SAMPLES_PER_PROMPT = 4
+_EVAL_SEED_STEP = 1 << 30  # a step index no RL step reaches: evaluation samples never repeat a rollout's
+
+
+@dataclasses.dataclass
+class Sample:
+    """One response with its score (travels between ranks as a plain object)."""
+
+    prompt_index: int
+    """Position of its prompt in this DP rank's batch: the GRPO group it belongs to."""
+    sample_index: int
+    prompt_ids: tuple[int, ...]
+    response_ids: list[int]
+    finish_reason: str
+    reward: float
+
+    @property
+    def correct(self) -> bool:
+        return self.reward >= 1.0
+
+
+def _rollout_seed(base: int, step: int, rank: int) -> int:
+    # Independent, reproducible streams per (step, rank): a resumed run draws the same samples.
+    return int(np.random.SeedSequence([base, step, rank]).generate_state(1)[0] % (2**31 - 1))
+
+
+class RLTrainer:
+    """Built collectively on every rank; ``run()`` trains to ``trainer.steps``."""
+
+    def __init__(self, config: TLTConfig, run_dir: Path, *, resume: bool):
+        self.config, self.run_dir = config, run_dir
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size = mcore.data_parallel_rank(), mcore.data_parallel_size()
+        self.mp_group = mcore.model_parallel_group()
+        self.mp_rank, self.mp_size = dist.get_rank(self.mp_group), dist.get_world_size(self.mp_group)
+        self.is_reporter = self.rank == 0
+        stage = mcore.stage_info()
+
+        self._load_task()
+        self.arch.validate_layout(tensor_parallel_size=stage.tp_size, pipeline_parallel_size=stage.pp_size)
+        self.padded_vocab = self.arch.padded_vocab_size(stage.tp_size)
+        self.reward_fn = get_reward_fn(config.data.reward)
+        self.advantage_fn = get_advantage_fn(config.algorithm.advantage)
+
+        self.initial_source = policy_source.initial_policy_dir(config, self.tokenizer, self.arch,
+                                                               show_progress=self.is_reporter)
+        ckpt = checkpoint.latest_checkpoint(run_dir) if resume else None
+        if resume and ckpt is None:
+            raise checkpoint.CheckpointError(f"{run_dir}: no complete checkpoint to resume from")
+        source = ckpt / checkpoint.POLICY_SUBDIR if ckpt else self.initial_source
+        self.model = mcore.wrap_ddp(policy_source.load_policy(config, self.arch, source))
+        opt = config.optimizer
+        self.optimizer = mcore.build_optimizer(self.model, lr=opt.lr, weight_decay=opt.weight_decay,
+                                               clip_grad=opt.clip_grad, adam_beta1=opt.adam_beta1,
+                                               adam_beta2=opt.adam_beta2)
+        self.reference = None
+        if config.algorithm.kl_coef != 0.0:  # frozen copy of the starting policy
+            self.reference = policy_source.load_policy(config, self.arch, self.initial_source)
+            self.reference.requires_grad_(False)
+
+        self.sampler = PromptSampler(len(self.dataset), batch_prompts=config.trainer.prompts_per_step,
+                                     dp_rank=self.dp_rank, dp_size=self.dp_size, seed=config.trainer.seed)
+        self.start_step = 0
+        if ckpt is not None:
+            state = checkpoint.load_checkpoint_state(ckpt, optimizer=self.optimizer)
+            self.sampler.load_state_dict(state["sampler"])
+            checkpoint.set_rng_state(state["rng"])
+            self.start_step = checkpoint.checkpoint_step(ckpt)
+            if self.is_reporter:
+                logger.info("resuming %s from step %d (%s)", run_dir, self.start_step, ckpt)
+
+        engine_config = config.rollout.engine
+        if engine_config.max_model_len is None:
+            longest_prompt = max(len(e.prompt_ids) for e in self.dataset.examples + tuple(self.held_out))
+            engine_config = dataclasses.replace(engine_config, max_model_len=min(
+                self.arch.max_position_embeddings, longest_prompt + config.rollout.max_response_tokens))
+        self.engine = RolloutEngine(self.arch, engine_config, workdir=run_dir / "engines", rank=self.rank)
+        self.drafter_features: list[torch.Tensor] | None = None
+        self.reporter = None
+        if self.is_reporter:
+            records = [r for r in run_files.read_summary(run_dir) if r["step"] <= self.start_step]
+            run_files.truncate_timeline(run_dir, self.start_step)
+            self.reporter = run_files.RunReporter(run_dir, total_steps=config.trainer.steps,
+                                                  start_step=self.start_step, records=records)
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _load_task(self) -> None:
+        config = self.config
+        if config.model.hf_dir is None:
+            root = tiny_default.cache_root(config.warmup.cache_dir)
+            self.tokenizer = tiny_default.load_task_tokenizer(root)
+            self.arch = tiny_default.policy_architecture(self.tokenizer)
+            self.dataset = tiny_default.rl_prompts(self.tokenizer, config.data.synthetic_prompts)
+            self.held_out = (tiny_default.held_out_prompts(self.tokenizer, config.data.held_out_prompts,
+                                                           config.warmup.corpus_size)
+                             if config.data.held_out_prompts else [])
+        else:
+            self.tokenizer = load_tokenizer(config.model.hf_dir)
+            self.arch = load_architecture(config.model.hf_dir)
+            if config.data.path is None:
+                raise ValueError("model.hf_dir needs a prompt file in data.path")
+            self.dataset = load_prompt_dataset(config.data.path, self.tokenizer,
+                                               PromptDataConfig(max_prompt_tokens=config.data.max_prompt_tokens))
+            self.held_out = []
+        if self.tokenizer.eos_id is None:
+            raise ValueError(f"tokenizer {self.tokenizer.directory} has no EOS token: responses would never end")
+
+    def _sampling(self, *, n: int, temperature: float, seed: int | None) -> SamplingSettings:
+        r = self.config.rollout
+        return SamplingSettings(n=n, temperature=temperature, top_p=r.top_p if temperature > 0 else 1.0,
+                                max_tokens=r.max_response_tokens, stop_token_ids=[self.tokenizer.eos_id], seed=seed)
+
+    def _score(self, examples: list[PromptExample], token_ids: list[list[list[int]]],
+               finish_reasons: list[list[str]], first_prompt_index: int, stride: int) -> list[Sample]:
+        samples = []
+        for k, (example, responses, reasons) in enumerate(zip(examples, token_ids, finish_reasons)):
+            for j, (response, reason) in enumerate(zip(responses, reasons)):
+                text = self.tokenizer.decode(response, skip_special_tokens=True)
+                samples.append(Sample(prompt_index=first_prompt_index + k * stride, sample_index=j,
+                                      prompt_ids=example.prompt_ids, response_ids=list(response),
+                                      finish_reason=reason, reward=float(self.reward_fn(text, example.ground_truth))))
+        return samples
+
+    # ------------------------------------------------------------------ one step
+
+    def _rollout(self, step: int, examples: list[PromptExample], timeline: RankTimeline):
+        mine = examples[self.mp_rank :: self.mp_size]  # this rank's share of its DP rank's prompts
+        n = self.config.rollout.samples_per_prompt
+        start = time.time()
+        result = self.engine.generate(
+            [e.prompt_ids for e in mine],
+            self._sampling(n=n, temperature=self.config.rollout.temperature,
+                           seed=_rollout_seed(self.config.trainer.seed, step, self.rank)),
+        ) if mine else None
+        done = time.time()
+        dist.barrier()  # the phase ends when the slowest rank is done; until then this rank idles
+        end = time.time()
+        timeline.add("rollout", BUSY, start, done)
+        timeline.add("rollout", IDLE, done, end)
+        return mine, result
+
+    def _score_and_share(self, mine, result, timeline: RankTimeline) -> tuple[list[Sample], list[Sample]]:
+        """Score this rank's responses; return (own samples, all samples of this DP rank in group order)."""
+        with timeline.phase("reward"):
+            own = self._score(mine, result.token_ids, result.finish_reasons, self.mp_rank, self.mp_size) if mine else []
+            if self.mp_size > 1:
+                gathered: list[list[Sample]] = [None] * self.mp_size
+                dist.all_gather_object(gathered, own, group=self.mp_group)
+                everything = [s for part in gathered for s in part]
+            else:
+                everything = list(own)
+            everything.sort(key=lambda s: (s.prompt_index, s.sample_index))
+        return own, everything
+
+    def _advantages(self, samples: list[Sample]) -> tuple[list[float], int]:
+        """Advantages per sample (same order) and the number of groups dropped by the equal-reward filter."""
+        n = self.config.rollout.samples_per_prompt
+        rewards_g = torch.tensor([s.reward for s in samples], dtype=torch.float32).view(-1, n)
+        advantages_g = self.advantage_fn(rewards_g)
+        dropped = 0
+        if self.config.algorithm.filter_equal_reward_groups:
+            equal = equal_reward_group_mask(rewards_g)
+            advantages_g[equal] = float("nan")  # marks samples to leave out of the update
+            dropped = int(equal.sum())
+        return advantages_g.view(-1).tolist(), dropped
+
+    def _logprob_pass(self, sequences: list[list[int]], timeline: RankTimeline):
+        t = self.config.trainer
+        with timeline.phase("logprob"):
+            result = compute_logprobs(self.model, sequences, vocab_size=self.arch.vocab_size,
+                                      micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                      capture_hidden=t.capture_hidden_states)
+            ref = None
+            if self.reference is not None:
+                ref = compute_logprobs(self.reference, sequences, vocab_size=self.arch.vocab_size,
+                                       micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id).token_logprobs
+        # Kept for the drafter trainer: the post-final-norm features of this step's sequences.
+        self.drafter_features = result.hidden_states
+        return result.token_logprobs, ref
+
+    def _update(self, samples: list[Sample], advantages: list[float], old, ref, timeline: RankTimeline) -> dict:
+        a, t = self.config.algorithm, self.config.trainer
+        settings = LossSettings(clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.loss_aggregation,
+                                kl_coef=a.kl_coef)
+        sequences = []
+        for i, (sample, advantage) in enumerate(zip(samples, advantages)):
+            if advantage != advantage:  # NaN: its group was filtered out
+                continue
+            length = len(sample.prompt_ids) + len(sample.response_ids)
+            # Only the last pipeline stage computes the loss; earlier stages carry placeholders.
+            sequences.append((i, PolicySequence(
+                token_ids=list(sample.prompt_ids) + sample.response_ids, prompt_len=len(sample.prompt_ids),
+                old_logprobs=old[i] if old else torch.zeros(length - 1), advantage=advantage,
+                ref_logprobs=(ref[i] if ref else torch.zeros(length - 1)) if self.reference is not None else None)))
+        metrics: dict[str, list[float]] = {}
+        with timeline.phase("update"):
+            for u in range(t.updates_per_step):  # mini-batches interleave short and long sequences
+                mini = [seq for i, seq in sequences if i % t.updates_per_step == u]
+                step_metrics = policy_update_step(self.model, self.optimizer, mini, vocab_size=self.arch.vocab_size,
+                                                  micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                                  settings=settings)
+                for key, value in step_metrics.items():
+                    metrics.setdefault(key, []).append(value)
+        return {key: statistics.fmean(values) for key, values in metrics.items()}
+
+    def _sync(self, timeline: RankTimeline) -> float:
+        with timeline.phase("sync"):
+            stats = sync_policy_to_engine(self.model, self.arch, self.engine, padded_vocab_size=self.padded_vocab)
+        return stats.gb_per_s
+
+    def train_step(self, step: int) -> dict:
+        """One RL step (collective); returns the summary record on rank 0, None elsewhere."""
+        timeline = RankTimeline(self.rank)
+        step_start = time.time()
+        examples = self.dataset.gather(next(self.sampler))
+        mine, result = self._rollout(step, examples, timeline)
+        own, samples = self._score_and_share(mine, result, timeline)
+        advantages, dropped_groups = self._advantages(samples)
+        sequences = [list(s.prompt_ids) + s.response_ids for s in samples]
+        old, ref = self._logprob_pass(sequences, timeline)
+        update_metrics = self._update(samples, advantages, old, ref, timeline)
+        sync_gb_s = self._sync(timeline)
+        per_rank = {
+            "timeline": timeline,
+            "rewards": [s.reward for s in own],
+            "correct": [s.correct for s in own],
+            "lengths": [len(s.response_ids) for s in own],
+            "truncated": [s.finish_reason == "length" for s in own],
+            "dropped_groups": dropped_groups if self.mp_rank == 0 else 0,
+            "spec": result.spec if result is not None else None,
+            "hidden_tokens": sum(h.shape[0] for h in self.drafter_features) if self.drafter_features else 0,
+        }
+        gathered = [None] * self.world if self.is_reporter else None
+        dist.gather_object(per_rank, gathered, dst=0)
+        if not self.is_reporter:
+            return None
+        return self._record(step + 1, gathered, update_metrics, sync_gb_s, time.time() - step_start)
+
+    def _record(self, step: int, per_rank: list[dict], update: dict, sync_gb_s: float, step_seconds: float) -> dict:
+        rewards = [r for p in per_rank for r in p["rewards"]]
+        lengths = [n for p in per_rank for n in p["lengths"]]
+        timelines = [p["timeline"] for p in per_rank]
+        shares = rollout_idle_shares(timelines)
+        phase = {name: max(t.seconds(name) for t in timelines) for name in ("rollout", "reward", "logprob", "update", "sync")}
+        record = {
+            "step": step,
+            "reward_mean": statistics.fmean(rewards),
+            "accuracy": statistics.fmean(float(c) for p in per_rank for c in p["correct"]),
+            "response_length_mean": statistics.fmean(lengths),
+            "response_length_max": max(lengths),
+            "truncated_share": statistics.fmean(float(c) for p in per_rank for c in p["truncated"]),
+            "num_samples": len(rewards),
+            "equal_reward_groups_dropped": sum(p["dropped_groups"] for p in per_rank),
+            "rollout_seconds": phase["rollout"],
+            "reward_seconds": phase["reward"],
+            "logprob_seconds": phase["logprob"],
+            "update_seconds": phase["update"],
+            "sync_seconds": phase["sync"],
+            "step_seconds": step_seconds,
+            "rollout_busy_seconds": [t.seconds("rollout", BUSY) for t in timelines],
+            "rollout_idle_seconds": [t.seconds("rollout", IDLE) for t in timelines],
+            "rollout_idle_share": shares,
+            "rollout_idle_share_mean": statistics.fmean(shares),
+            "sync_gb_per_s": sync_gb_s,
+            "hidden_state_tokens_captured": sum(p["hidden_tokens"] for p in per_rank),
+        }
+        record.update({f"update/{k}": v for k, v in update.items()})
+        self._pending_timeline = [span for t in timelines for span in t.to_records(step)]
+        return record
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self) -> dict[str, float] | None:
+        """Held-out accuracy, greedy and sampled (collective; rank 0 gets the numbers)."""
+        if not self.held_out:
+            return None
+        mine = self.held_out[self.rank :: self.world]
+        counts = torch.zeros(3, dtype=torch.float64)
+        if mine:
+            greedy = self.engine.generate([e.prompt_ids for e in mine], self._sampling(n=1, temperature=0.0, seed=None))
+            sampled = self.engine.generate(
+                [e.prompt_ids for e in mine],
+                self._sampling(n=EVAL_SAMPLES_PER_PROMPT, temperature=self.config.rollout.temperature,
+                               seed=_rollout_seed(self.config.trainer.seed, _EVAL_SEED_STEP, self.rank)))
+            counts[0] = sum(s.correct for s in self._score(mine, greedy.token_ids, greedy.finish_reasons, 0, 1))
+            counts[1] = sum(s.correct for s in self._score(mine, sampled.token_ids, sampled.finish_reasons, 0, 1))
+            counts[2] = len(mine)
+        dist.all_reduce(counts)
+        return {"eval/greedy_accuracy": counts[0].item() / counts[2].item(),
+                "eval/sampled_accuracy": counts[1].item() / (EVAL_SAMPLES_PER_PROMPT * counts[2].item())}
+
+    # ------------------------------------------------------------------ the loop
+
+    def _save(self, step: int) -> None:
+        checkpoint.save_checkpoint(self.run_dir, step, model=self.model, optimizer=self.optimizer,
+                                   meta=policy_source.checkpoint_meta(self.arch, self.config.model.dtype),
+                                   sampler_state=self.sampler.state_dict(), dp_rank=self.dp_rank,
+                                   keep=self.config.trainer.keep_checkpoints)
+
+    def _due(self, every: int, step: int) -> bool:
+        return step == self.config.trainer.steps or (every > 0 and step % every == 0)
+
+    def run(self) -> list[dict] | None:
+        """Train to ``trainer.steps``; returns the summary records on rank 0."""
+        t = self.config.trainer
+        self._sync(RankTimeline(self.rank))  # the engines start from dummy weights
+        if self.start_step == 0:
+            self._log_eval(0, self.evaluate())
+        for step in range(self.start_step, t.steps):
+            record = self.train_step(step)
+            done = step + 1
+            if self._due(t.eval_every, done):
+                metrics = self.evaluate()
+                if record is not None and metrics:
+                    record.update(metrics)
+            if self.reporter is not None:
+                self.reporter.log_step(record, self._pending_timeline)
+            if self._due(t.save_every, done):
+                self._save(done)
+        if self.reporter is not None:
+            self.reporter.close()
+            return self.reporter.records
+        return None
+
+    def _log_eval(self, step: int, metrics: dict[str, float] | None) -> None:
+        if self.reporter is not None and metrics:
+            self.reporter.log_eval(step, metrics)
+            run_files.write_atomic(self.run_dir / run_files.EVAL_BEFORE_RL_FILE, json.dumps(metrics, indent=1))
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def train_on_rank(config: TLTConfig, run_dir: str, resume: bool) -> list[dict] | None:
+    """Entry point of every rank (launched by ``tlt train``)."""
+    from megatron_tlt.parallel import ParallelLayout
+
+    layout = ParallelLayout(tensor_parallel_size=config.parallel.tensor_parallel_size,
+                            pipeline_parallel_size=config.parallel.pipeline_parallel_size,
+                            seed=config.trainer.seed).initialize()
+    trainer = None
+    try:
+        trainer = RLTrainer(config, Path(run_dir), resume=resume)
+        return trainer.run()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        layout.close()

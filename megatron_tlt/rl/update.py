@@ -1,0 +1,168 @@
+"""The policy update: PPO-clip / GRPO loss through Megatron's schedule, DDP and optimizer.
+
+Each optimizer step covers one mini-batch of rollout sequences, split into micro-batches for
+gradient accumulation. The loss function hands Megatron a (sum, count) pair and the policy is built
+with ``calculate_per_token_loss``: Megatron sums the counts over all micro-batches and all
+data-parallel ranks and divides the gradients by that total, so ``token_mean`` is the mean over
+every response token of the global mini-batch (not a mean of per-micro-batch means, which would
+weigh a token by how crowded its micro-batch is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_tlt import mcore
+from megatron_tlt.lm_training import check_microbatch_shapes
+from megatron_tlt.rl import losses
+
+# Diagnostics summed per token, then divided by the token count of the whole mini-batch.
+_TOKEN_STATS = ("pg_loss", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "approx_kl", "ratio_mean", "kl")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySequence:
+    """One rollout sequence as the update sees it."""
+
+    token_ids: Sequence[int]
+    """Prompt then response."""
+    prompt_len: int
+    old_logprobs: torch.Tensor
+    """[len - 1]: log p(token t+1 | <= t) under the rollout policy (from the log-prob pass)."""
+    advantage: float
+    ref_logprobs: torch.Tensor | None = None
+    """[len - 1] under the frozen reference policy, when the KL term is on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyMicroBatch:
+    """Right-padded tensors of a few sequences; ``_bs`` are [b, s], ``_bl`` are [b, s - 1] (label positions)."""
+
+    tokens_bs: torch.Tensor
+    response_mask_bl: torch.Tensor
+    old_logprobs_bl: torch.Tensor
+    ref_logprobs_bl: torch.Tensor | None
+    advantages_b: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    clip_low: float
+    clip_high: float
+    aggregation: str
+    kl_coef: float
+
+
+def make_microbatch(sequences: Sequence[PolicySequence], pad_id: int, width: int | None = None) -> PolicyMicroBatch:
+    """Pad ``sequences`` to ``width`` tokens (default: the longest). Label position t predicts token
+    t + 1, so it is a response position when t + 1 >= prompt_len."""
+    width = width or max(len(s.token_ids) for s in sequences)
+    b = len(sequences)
+    tokens = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, width - 1), dtype=torch.bool)
+    old = torch.zeros((b, width - 1))
+    has_ref = sequences[0].ref_logprobs is not None
+    ref = torch.zeros((b, width - 1)) if has_ref else None
+    for row, seq in enumerate(sequences):
+        n = len(seq.token_ids)
+        tokens[row, :n] = torch.as_tensor(list(seq.token_ids))
+        mask[row, seq.prompt_len - 1 : n - 1] = True
+        old[row, : n - 1] = seq.old_logprobs
+        if has_ref:
+            ref[row, : n - 1] = seq.ref_logprobs
+    advantages = torch.tensor([s.advantage for s in sequences], dtype=torch.float32)
+    return PolicyMicroBatch(tokens_bs=tokens, response_mask_bl=mask, old_logprobs_bl=old, ref_logprobs_bl=ref,
+                            advantages_b=advantages)
+
+
+def make_microbatches(sequences: Sequence[PolicySequence], micro_batch_size: int, pad_id: int, *,
+                      same_width: bool) -> list[PolicyMicroBatch]:
+    """Length-sorted micro-batches (little padding); ``same_width`` pads all to one length (PP > 1)."""
+    ordered = sorted(sequences, key=lambda s: len(s.token_ids))
+    width = max(len(s.token_ids) for s in ordered) if same_width else None
+    return [make_microbatch(ordered[i : i + micro_batch_size], pad_id, width)
+            for i in range(0, len(ordered), micro_batch_size)]
+
+
+def _forward_step(data_iterator, model, *, vocab_size: int, settings: LossSettings):
+    batch: PolicyMicroBatch = next(data_iterator)
+    inputs = batch.tokens_bs[:, :-1].contiguous()
+    labels = batch.tokens_bs[:, 1:].contiguous()
+    output = model(inputs, mcore.position_ids_like(inputs), None)
+
+    def loss_fn(logits_bsv: torch.Tensor):
+        logprobs_bl = -mcore.vocab_parallel_cross_entropy(logits_bsv, labels, vocab_size)
+        terms = losses.policy_token_terms(
+            logprobs_bl, batch.old_logprobs_bl, batch.advantages_b.unsqueeze(-1), batch.response_mask_bl,
+            ref_logprobs_bt=batch.ref_logprobs_bl, kl_coef=settings.kl_coef,
+            clip_low=settings.clip_low, clip_high=settings.clip_high,
+        )
+        numerator, count = losses.aggregate_parts(terms.loss_bt, terms.valid_bt, settings.aggregation)
+        report = {name: values[terms.valid_bt].sum() for name, values in terms.stats_bt.items()}
+        report["num_tokens"] = terms.valid_bt.sum().float()
+        return numerator, count.to(torch.int), report
+
+    return output, loss_fn
+
+
+def _reduce_report(reports: list[dict[str, torch.Tensor]], names: tuple[str, ...]) -> dict[str, float]:
+    """Token means of the diagnostics over the whole mini-batch (all micro-batches, all DP ranks).
+
+    Only the last pipeline stage holds reports, and TP ranks hold identical ones: exactly one rank
+    per (DP rank) contributes, then the sum is shared by every rank.
+    """
+    stage = mcore.stage_info()
+    contributes = stage.is_last_stage and stage.tp_rank == 0
+    sums = torch.zeros(len(names), dtype=torch.float64)
+    if contributes:
+        for report in reports:
+            for i, name in enumerate(names):
+                if name in report:
+                    sums[i] += float(report[name])
+    dist.all_reduce(sums)
+    num_tokens = sums[0].item()
+    return {name: sums[i].item() / max(num_tokens, 1.0) for i, name in enumerate(names[1:], start=1)} | {
+        "num_tokens": num_tokens}
+
+
+def policy_update_step(model: torch.nn.Module, optimizer, sequences: Sequence[PolicySequence], *, vocab_size: int,
+                       micro_batch_size: int, pad_id: int, settings: LossSettings) -> dict[str, float]:
+    """One optimizer step on this rank's share of a mini-batch (collective over all ranks).
+
+    Every rank must call it, also with no sequences of its own (e.g. all its groups were filtered):
+    it then contributes a fully masked micro-batch so the gradient all-reduce still meets.
+    """
+    has_ref = settings.kl_coef != 0.0
+    local_tokens = sum(len(s.token_ids) - s.prompt_len for s in sequences)
+    total_tokens = torch.tensor([local_tokens], dtype=torch.float64)
+    dist.all_reduce(total_tokens)
+    if total_tokens.item() == 0:  # nothing to learn from anywhere: an Adam step on zero grads would still move
+        return {"num_tokens": 0.0, "skipped": 1.0}
+    same_width = mcore.stage_info().pp_size > 1
+    if sequences:
+        microbatches = make_microbatches(sequences, micro_batch_size, pad_id, same_width=same_width)
+    else:  # a placeholder row: zero valid tokens, so it adds nothing to the sums
+        placeholder = PolicySequence(token_ids=[pad_id, pad_id], prompt_len=2, old_logprobs=torch.zeros(1), advantage=0.0,
+                                     ref_logprobs=torch.zeros(1) if has_ref else None)
+        microbatches = [make_microbatch([placeholder], pad_id)]
+    check_microbatch_shapes([tuple(mb.tokens_bs.shape) for mb in microbatches])
+    model.train()
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = mcore.run_schedule(
+        model, functools.partial(_forward_step, vocab_size=vocab_size, settings=settings), microbatches,
+        seq_length=max(mb.tokens_bs.shape[1] for mb in microbatches) - 1,
+        micro_batch_size=max(mb.tokens_bs.shape[0] for mb in microbatches), forward_only=False,
+    )
+    update_ok, grad_norm, _ = optimizer.step()
+    if not update_ok:
+        raise FloatingPointError("optimizer step skipped: gradients overflowed")
+    names = ("num_tokens",) + tuple(n for n in _TOKEN_STATS if has_ref or n != "kl")
+    metrics = _reduce_report(reports, names)
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    return metrics

@@ -1,0 +1,80 @@
+"""Supervised warm-up of the tiny default policy before RL (cached by the caller).
+
+A from-scratch policy never answers correctly, so RL would see only zero rewards. A short
+supervised phase on worked solutions of the task, through the same Megatron model, DDP and
+optimizer that RL then uses, gives a policy that is right sometimes: the starting point GRPO needs.
+The loss covers the solution tokens only; each data-parallel rank takes its slice of every batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megatron_tlt import mcore
+from megatron_tlt.lm_training import LMMicroBatch, lm_train_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WarmupSchedule:
+    steps: int
+    sequences_per_step: int
+    micro_batch_size: int
+    lr: float
+    seed: int
+
+
+def length_sorted_microbatches(sequences: Sequence[tuple[list[int], int]], micro_batch_size: int, pad_id: int,
+                               *, same_length: bool) -> list[LMMicroBatch]:
+    """Micro-batches of (ids, prompt length) pairs, sorted by length so padding stays small; the loss
+    mask covers the tokens after the prompt. ``same_length`` pads all to one length (PP > 1)."""
+    ordered = sorted(sequences, key=lambda pair: len(pair[0]))
+    chunks = [ordered[i : i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size)]
+    longest = max(len(ids) for ids, _ in ordered)
+    batches = []
+    for chunk in chunks:
+        width = longest if same_length else max(len(ids) for ids, _ in chunk)
+        tokens = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, (ids, prompt_len) in enumerate(chunk):
+            tokens[row, : len(ids)] = torch.tensor(ids)
+            mask[row, prompt_len : len(ids)] = 1
+        batches.append(LMMicroBatch(tokens_bs=tokens, loss_mask_bs=mask))
+    return batches
+
+
+def run_warmup(model: torch.nn.Module, optimizer, corpus: Sequence[tuple[list[int], int]], schedule: WarmupSchedule, *,
+               vocab_size: int, pad_id: int, dp_rank: int, dp_size: int,
+               on_step: Callable[[int, float | None], None] | None = None) -> list[float]:
+    """Train ``model`` on ``corpus`` for ``schedule.steps`` steps (collective); returns the loss per step
+    on the last pipeline stage. Every rank draws the same global batch and keeps its DP slice."""
+    if schedule.sequences_per_step % dp_size:
+        raise ValueError(f"warmup.sequences_per_step {schedule.sequences_per_step} is not divisible by the "
+                         f"data-parallel size {dp_size}")
+    scheduler = mcore.build_lr_scheduler(optimizer, lr=schedule.lr, warmup_steps=max(1, schedule.steps // 10),
+                                         total_steps=schedule.steps)
+    rng = random.Random(schedule.seed)
+    per_rank = schedule.sequences_per_step // dp_size
+    same_length = mcore.stage_info().pp_size > 1
+    losses = []
+    started = time.perf_counter()
+    for step in range(schedule.steps):
+        batch = rng.sample(range(len(corpus)), schedule.sequences_per_step)
+        mine = [corpus[i] for i in batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]]
+        microbatches = length_sorted_microbatches(mine, schedule.micro_batch_size, pad_id, same_length=same_length)
+        loss = lm_train_step(model, optimizer, microbatches, vocab_size=vocab_size)
+        scheduler.step(1)
+        if loss is not None:
+            losses.append(loss)
+        if on_step is not None:
+            on_step(step, loss)
+    logger.info("warm-up: %d steps in %.1fs, loss %.3f -> %.3f", schedule.steps, time.perf_counter() - started,
+                losses[0] if losses else float("nan"), losses[-1] if losses else float("nan"))
+    return losses
