@@ -70,7 +70,7 @@ class DataConfig:
 class WarmupConfig:
     """Supervised warm-up of the built-in tiny policy (used only when model.hf_dir is None); cached."""
 
-    steps: int = 600
+    steps: int = 900
     sequences_per_step: int = 32
     """Worked solutions per optimizer step, over all data-parallel ranks."""
     micro_batch_size: int = 4
@@ -248,6 +248,10 @@ def validate(config: TLTConfig) -> None:
         raise ConfigError(f"algorithm.clip_low must be in [0, 1) and clip_high >= 0, got {a.clip_low}, {a.clip_high}")
     if not 0.0 < r.top_p <= 1.0 or r.temperature < 0.0:
         raise ConfigError(f"rollout.top_p must be in (0, 1] and temperature >= 0, got {r.top_p}, {r.temperature}")
+    from megatron_tlt.rl.advantages import known_advantage_names
+
+    if a.advantage not in known_advantage_names():
+        raise ConfigError(f"algorithm.advantage must be one of {', '.join(known_advantage_names())}, got '{a.advantage}'")
     if a.loss_aggregation not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
         raise ConfigError(f"algorithm.loss_aggregation must be token_mean, seq_mean_token_mean or "
                           f"seq_mean_token_sum, got '{a.loss_aggregation}'")

@@ -1,14 +1,11 @@
 """Logit parity between a Megatron checkpoint and the HF model it came from.
 
-``tlt train`` runs this check until the RL loop exists; the test suite runs it at TP=1, TP=2
-and PP=2. The HF logits come from transformers on the same rank, in fp32.
+The test suite runs it at TP=1, TP=2 and PP=2. The HF logits come from transformers on the same rank, in fp32.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -48,21 +45,3 @@ def megatron_vs_hf_max_abs_diff(ckpt_dir: str | Path, hf_dir: str | Path, *, tp:
     """Max |logit difference| over every position and vocabulary entry, at the given layout."""
     per_rank = run_on_ranks(_parity_on_rank, tp * pp, str(ckpt_dir), str(hf_dir), tp, pp, input_ids_bs)
     return max(v for v in per_rank.values() if v is not None)
-
-
-def run_parity_check(workdir: str | Path | None = None) -> Iterator[ParityResult]:
-    """Tiny random Llama and Qwen2 -> ``tlt convert`` (TP=2) -> logits at TP=1, TP=2, PP=2.
-
-    Yields each result as soon as it is measured.
-    """
-    from checkpoints_tools.hf_to_mcore import convert_hf_to_mcore
-    from megatron_tlt.tiny_models import TINY_LLAMA, TINY_QWEN2, make_tiny_hf_model
-
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        for name, config in (("llama", TINY_LLAMA), ("qwen2", TINY_QWEN2)):
-            hf_dir = make_tiny_hf_model(Path(tmp) / name, config)
-            ckpt = convert_hf_to_mcore(hf_dir, Path(tmp) / f"{name}-mcore", tp=2)
-            ids = torch.randint(0, config["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
-            for tp, pp in ((1, 1), (2, 1), (1, 2)):
-                diff = megatron_vs_hf_max_abs_diff(ckpt, hf_dir, tp=tp, pp=pp, input_ids_bs=ids)
-                yield ParityResult(name, tp, pp, diff)

@@ -1,6 +1,6 @@
 """Tiny random HF models made on the spot with transformers: nothing is downloaded.
 
-Used by the test suite and by the parity check that ``tlt train`` runs until the RL loop lands.
+Used by the test suite (parity, conversion, rollout and trainer tests).
 """
 
 from __future__ import annotations

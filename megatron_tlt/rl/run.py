@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megatron_tlt.config import ConfigError, load_config, to_yaml, world_size
+from megatron_tlt.config import load_config, to_yaml, world_size
 from megatron_tlt.rl import run_dir as run_files
 
 
@@ -19,28 +19,47 @@ def _train_on_rank(config, run_dir: str, resume: bool):
     return train_on_rank(config, run_dir, resume)
 
 
+def _load(config_name: str | None, overrides: list[str], resume_dir: str | None):
+    if resume_dir is None:
+        return load_config(config_name, overrides)
+    config_file = Path(resume_dir) / run_files.CONFIG_FILE
+    if not config_file.is_file():
+        raise run_files.RunDirError(f"{resume_dir}: not a run directory ({run_files.CONFIG_FILE} missing)")
+    return load_config(str(config_file), overrides)
+
+
+def _check_layout(config) -> None:
+    """TP must divide the heads and PP the layers of the policy the run will train."""
+    from megatron_tlt.model_config import load_architecture
+    from megatron_tlt.rl import tiny_default
+    from megatron_tlt.tokenizer import load_tokenizer
+
+    if config.model.hf_dir is None:  # every rank loads the same tokenizer: make it once, here
+        tokenizer_dir = tiny_default.ensure_tokenizer(tiny_default.cache_root(config.warmup.cache_dir))
+        arch = tiny_default.policy_architecture(load_tokenizer(tokenizer_dir))
+    else:
+        arch = load_architecture(config.model.hf_dir)
+    arch.validate_layout(tensor_parallel_size=config.parallel.tensor_parallel_size,
+                         pipeline_parallel_size=config.parallel.pipeline_parallel_size)
+
+
 def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str | None = None):
     """Run to ``trainer.steps``; returns (run directory, summary records)."""
     from megatron_tlt.launcher import run_on_ranks
-    from megatron_tlt.rl import checkpoint, tiny_default
+    from megatron_tlt.rl import checkpoint
 
+    config = _load(config_name, overrides, resume_dir)
+    _check_layout(config)  # before any directory is made or rank started
     if resume_dir is not None:
         run_dir = Path(resume_dir)
-        config_file = run_dir / run_files.CONFIG_FILE
-        if not config_file.is_file():
-            raise run_files.RunDirError(f"{run_dir}: not a run directory ({run_files.CONFIG_FILE} missing)")
-        config = load_config(str(config_file), overrides)
         if checkpoint.latest_checkpoint(run_dir) is None:
             raise run_files.RunDirError(f"{run_dir}: no complete checkpoint to resume from")
         config.trainer.run_dir = str(run_dir)
-        run_files.write_atomic(config_file, to_yaml(config))  # overrides (e.g. more steps) stick
+        run_files.write_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))  # overrides (e.g. more steps) stick
     else:
-        config = load_config(config_name, overrides)
         run_dir = Path(config.trainer.run_dir or run_files.default_run_dir())
         config.trainer.run_dir = str(run_dir)
         run_files.prepare_new_run_dir(run_dir, to_yaml(config))
-    if config.model.hf_dir is None:  # every rank loads the same tokenizer: make it once, here
-        tiny_default.ensure_tokenizer(tiny_default.cache_root(config.warmup.cache_dir))
     # vLLM warns about things that do not apply here (no tokenizer by design, the rotary embedding
     # having no weights to reload); keep the console for progress and results.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -48,5 +67,3 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
                            isolated=True)
     return run_dir, results[0]
 
-
-__all__ = ["start_run", "ConfigError"]

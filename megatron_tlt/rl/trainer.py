@@ -274,7 +274,9 @@ class RLTrainer:
             "truncated": [s.finish_reason == "length" for s in own],
             "dropped_groups": dropped_groups if self.mp_rank == 0 else 0,
             "spec": result.spec if result is not None else None,
-            "hidden_tokens": sum(h.shape[0] for h in self.drafter_features) if self.drafter_features else 0,
+            # counted once per replica: TP ranks hold the same features
+            "hidden_tokens": sum(h.shape[0] for h in self.drafter_features)
+            if self.drafter_features and mcore.stage_info().tp_rank == 0 else 0,
         }
         gathered = [None] * self.world if self.is_reporter else None
         dist.gather_object(per_rank, gathered, dst=0)

@@ -94,3 +94,45 @@ def test_cli_conversion_round_trip_succeeds(tiny_llama_dir, tmp_path):
     assert json.loads((ckpt / "tlt_checkpoint.json").read_text())["saved_tensor_parallel_size"] == 2
     assert (back / "model.safetensors").is_file() and (back / "config.json").is_file()
     assert json.loads((back / "config.json").read_text())["num_key_value_heads"] == TINY_LLAMA["num_key_value_heads"]
+
+
+# ----------------------------------------------------------------------------- tlt train
+
+def _assert_one_error_line(result, *fragments):
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tlt: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_train_unknown_config_key_names_the_nearest_valid_keys(tmp_path):
+    result = _tlt("train", "trainer.stepz=3", f"trainer.run_dir={tmp_path / 'run'}")
+    _assert_one_error_line(result, "unknown config key 'trainer.stepz'", "trainer.steps")
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_refuses_a_run_dir_that_holds_a_run(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("trainer: {steps: 1}\n")
+    result = _tlt("train", f"trainer.run_dir={run_dir}")
+    _assert_one_error_line(result, "already holds a run", "--resume")
+
+
+def test_train_resume_needs_a_run_with_a_checkpoint(tmp_path):
+    _assert_one_error_line(_tlt("train", "--resume", str(tmp_path)), "not a run directory")
+    (tmp_path / "config.yaml").write_text("trainer: {steps: 1}\n")
+    _assert_one_error_line(_tlt("train", "--resume", str(tmp_path)), "no complete checkpoint")
+
+
+def test_train_impossible_layout_is_refused_before_any_rank_starts(tmp_path):
+    result = _tlt("train", "trainer.prompts_per_step=5", f"trainer.run_dir={tmp_path / 'run'}")
+    _assert_one_error_line(result, "prompts_per_step 5 is not divisible by parallel.data_parallel_size 2")
+
+
+def test_train_tensor_parallel_not_dividing_heads_is_refused(tmp_path):
+    result = _tlt("train", "parallel.tensor_parallel_size=3", "parallel.data_parallel_size=1",
+                  "trainer.prompts_per_step=3", f"trainer.run_dir={tmp_path / 'run'}")
+    _assert_one_error_line(result, "tensor parallel size 3 does not divide num_attention_heads 4")
+    assert not (tmp_path / "run").exists()

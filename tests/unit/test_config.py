@@ -7,7 +7,7 @@ def test_defaults_then_named_config_then_overrides_apply_in_order():
     config = load_config("tiny", ["rollout.temperature=0.7", "trainer.steps=3", "parallel.tensor_parallel_size=2"])
     assert isinstance(config, TLTConfig)
     assert config.rollout.temperature == 0.7 and config.trainer.steps == 3
-    assert config.trainer.run_dir == "runs/tiny"  # from launch/configs/tiny.yaml
+    assert config.optimizer.lr == 2e-5  # from launch/configs/tiny.yaml
     assert config.algorithm.clip_high == 0.2  # untouched default
     assert world_size(config) == 4
 

@@ -5,6 +5,8 @@ import torch
 
 from megatron_tlt.rl.losses import (
     aggregate_loss,
+    aggregate_parts,
+    policy_token_terms,
     kl_penalty,
     policy_loss_with_kl,
     ppo_clip_policy_loss,
@@ -229,3 +231,41 @@ def test_invalid_clip_ranges_and_mismatched_shapes_raise_value_errors():
         ppo_clip_policy_loss(x_bt, x_bt, x_bt, torch.ones(1, 2), clip_high=-0.1)
     with pytest.raises(ValueError, match="mask_bt shape"):
         ppo_clip_policy_loss(x_bt, x_bt, x_bt, torch.ones(1, 3))
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "numerator", "count"),
+    [
+        ("token_mean", -10.0, 4),  # -1 - 2 - 3 - 4 over 4 tokens
+        ("seq_mean_token_mean", -6.0, 2),  # mean(-1, -2, -3) + (-4) over 2 non-empty rows
+        ("seq_mean_token_sum", -10.0, 2),  # (-6) + (-4) over 2 non-empty rows
+    ],
+)
+def test_aggregate_parts_are_the_sum_and_count_behind_each_mode(aggregation, numerator, count):
+    values_bt = -_ADVANTAGES_BT
+    got_numerator, got_count = aggregate_parts(values_bt, _RAGGED_MASK_BT, aggregation)
+    assert got_numerator.item() == pytest.approx(numerator) and got_count.item() == count
+
+
+def test_summing_parts_over_micro_batches_gives_the_global_token_mean_not_a_mean_of_means():
+    # Two micro-batches as the trainer sees them: 3 tokens of loss -1 each, then 1 token of loss -5.
+    parts = [aggregate_parts(torch.full((1, 3), -1.0), torch.ones(1, 3)),
+             aggregate_parts(torch.full((1, 1), -5.0), torch.ones(1, 1))]
+    numerator = sum(p[0] for p in parts)
+    count = sum(p[1] for p in parts)
+    assert (numerator / count).item() == pytest.approx(-2.0)  # (-3 - 5) / 4; a mean of means would give -3
+
+
+def test_policy_token_terms_aggregate_to_policy_loss_with_kl():
+    torch.manual_seed(0)
+    logprobs_bt = torch.randn(3, 4) - 1.0
+    old_bt, ref_bt = logprobs_bt + 0.1 * torch.randn(3, 4), logprobs_bt + 0.3 * torch.randn(3, 4)
+    advantages_bt = torch.tensor([[1.0], [-0.5], [2.0]])
+    mask_bt = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    for aggregation in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+        want, _ = policy_loss_with_kl(logprobs_bt, old_bt, advantages_bt, mask_bt, ref_logprobs_bt=ref_bt,
+                                      kl_coef=0.1, aggregation=aggregation)
+        terms = policy_token_terms(logprobs_bt, old_bt, advantages_bt, mask_bt, ref_logprobs_bt=ref_bt, kl_coef=0.1)
+        got = aggregate_loss(terms.loss_bt, terms.valid_bt, aggregation)
+        assert got.item() == pytest.approx(want.item(), rel=1e-6)
+        assert set(terms.stats_bt) >= {"pg_loss", "kl", "clip_fraction", "ratio_mean"}

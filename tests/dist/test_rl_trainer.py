@@ -1,0 +1,137 @@
+"""The RL trainer end to end, as users run it: `tlt train` launching its own ranks (gloo, vLLM, Megatron).
+
+A small variant of the tiny default keeps each run to well under a minute: a 30-step warm-up
+(cached for the module), 4 prompts x 4 samples per step, and a length reward given by import path
+so every step changes the policy.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+HELPERS = Path(__file__).parent / "helpers"
+SMALL = [
+    "warmup.steps=30", "warmup.corpus_size=1024", "data.synthetic_prompts=256", "data.held_out_prompts=16",
+    "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=48",
+    "trainer.eval_every=0", "optimizer.lr=1e-3", "data.reward=length_reward:shorter_is_better",
+]
+STEP_KEYS = ("reward_mean", "accuracy", "response_length_mean", "response_length_max", "rollout_seconds",
+             "logprob_seconds", "update_seconds", "sync_seconds", "rollout_idle_share", "rollout_busy_seconds")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return dict(os.environ, TLT_CACHE_DIR=str(tmp_path_factory.mktemp("tlt-cache")),
+                PYTHONPATH=os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")])))
+
+
+def _train(env, *args, timeout=420):
+    result = subprocess.run(["tlt", "train", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _summary(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "uninterrupted"
+    _train(env, *SMALL, "trainer.steps=4", "trainer.save_every=2", f"trainer.run_dir={run_dir}")
+    return run_dir
+
+
+def test_summary_has_one_record_per_step_with_phases_and_idle_share(uninterrupted):
+    records = _summary(uninterrupted)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        for key in STEP_KEYS:
+            assert key in record, key
+        assert len(record["rollout_idle_share"]) == 2  # one per rank (2 DP ranks)
+        assert all(0.0 <= share < 1.0 for share in record["rollout_idle_share"])
+        assert min(record["rollout_idle_seconds"]) < 0.05  # the slowest rank waits for no one
+        assert record["num_samples"] == 16 and record["response_length_max"] <= 48
+        assert record["update/num_tokens"] > 0 and abs(record["update/ratio_mean"] - 1.0) < 1e-4  # on-policy
+    assert records[0]["reward_mean"] != records[-1]["reward_mean"]
+
+
+def test_run_dir_holds_config_tensorboard_timeline_and_complete_checkpoints(uninterrupted):
+    assert "steps: 4" in (uninterrupted / "config.yaml").read_text()
+    assert list((uninterrupted / "tensorboard").glob("events.out.tfevents.*"))
+    spans = [json.loads(line) for line in (uninterrupted / "timeline.jsonl").read_text().splitlines()]
+    assert {(s["phase"], s["state"]) for s in spans} >= {("rollout", "BUSY"), ("rollout", "IDLE"), ("update", "BUSY")}
+    assert {s["rank"] for s in spans} == {0, 1}
+    checkpoints = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
+    assert checkpoints == ["step_000002", "step_000004"]  # no staging directory left behind
+    for name in checkpoints:
+        ckpt = uninterrupted / "checkpoints" / name
+        assert (ckpt / "trainer.json").is_file() and (ckpt / "policy" / "tlt_checkpoint.json").is_file()
+        assert sorted(p.name for p in (ckpt / "trainer").iterdir()) == ["rank0.pt", "rank1.pt"]
+
+
+def test_killed_run_resumes_and_matches_the_uninterrupted_run(env, uninterrupted, tmp_path):
+    run_dir = tmp_path / "killed"
+    args = ["tlt", "train", *SMALL, "trainer.steps=4", "trainer.save_every=2", f"trainer.run_dir={run_dir}"]
+    process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    marker = run_dir / "checkpoints" / "step_000002" / "trainer.json"
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert process.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks, mid-run
+    process.wait()
+
+    _train(env, "--resume", str(run_dir))
+    resumed, reference = _summary(run_dir), _summary(uninterrupted)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for got, want in zip(resumed[2:], reference[2:]):  # the steps after the resume
+        assert got["reward_mean"] == want["reward_mean"]
+        assert got["response_length_mean"] == want["response_length_mean"]
+        assert got["update/pg_loss"] == pytest.approx(want["update/pg_loss"], abs=1e-6)
+
+
+def test_trainer_runs_at_tensor_parallel_2_and_captures_drafter_features(env, tmp_path):
+    run_dir = tmp_path / "tp2"
+    _train(env, *SMALL, "trainer.steps=2", "parallel.tensor_parallel_size=2", "parallel.data_parallel_size=1",
+           "trainer.capture_hidden_states=true", f"trainer.run_dir={run_dir}")
+    records = _summary(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["num_samples"] == 16
+        assert len(record["rollout_idle_share"]) == 2  # both TP ranks generate a share of the prompts
+        # one feature per position that predicts a next token, over all 16 sequences of the step
+        assert record["hidden_state_tokens_captured"] > 16
+
+
+def test_trainer_on_an_hf_policy_with_a_verl_style_jsonl_and_bad_rows(env, tmp_path):
+    from megatron_tlt.rl import synthetic_task, tiny_default
+    from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, make_tiny_hf_model
+    from megatron_tlt.tokenizer import load_tokenizer
+
+    tokenizer_dir = tiny_default.ensure_tokenizer(tmp_path / "tokenizer")
+    vocab = load_tokenizer(tokenizer_dir).vocab_size
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", dict(TINY_LLAMA_ROLLOUT, vocab_size=vocab, bos_token_id=1,
+                                                      eos_token_id=2))
+    shutil.copy(tokenizer_dir / "tokenizer.model", hf_dir / "tokenizer.model")
+    rows = [json.dumps({"prompt": p.prompt, "reward_model": {"ground_truth": p.answer}})
+            for p in synthetic_task.generate_problems(8, seed=5)]
+    rows += ["{not json", json.dumps({"prompt": "   ", "answer": "1"})]  # two malformed rows
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+
+    run_dir = tmp_path / "hf-run"
+    result = _train(env, f"model.hf_dir={hf_dir}", f"data.path={data}", "parallel.data_parallel_size=1",
+                    "trainer.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_response_tokens=16",
+                    "trainer.steps=1", f"trainer.run_dir={run_dir}")
+    assert "kept 8 of 10 rows" in result.stderr and "invalid_json 1" in result.stderr
+    (record,) = _summary(run_dir)
+    assert record["num_samples"] == 8 and record["response_length_max"] <= 16
