@@ -27,7 +27,8 @@ from megatron_tlt.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def _meta(arch: PolicyArchitecture, dtype: str) -> policy.PolicyCheckpointMeta:
+def checkpoint_meta(arch: PolicyArchitecture, dtype: str) -> policy.PolicyCheckpointMeta:
+    """What a policy checkpoint written at the current layout records."""
     stage = mcore.stage_info()
     return policy.PolicyCheckpointMeta(
         format_version=policy.FORMAT_VERSION, hf_config=arch.hf_config,
@@ -76,7 +77,7 @@ def _warm_up_tiny_policy(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyAr
     if dist.get_rank() == 0 and staging.exists():
         shutil.rmtree(staging)
     dist.barrier()
-    policy.save_policy_checkpoint(ddp, staging, _meta(arch, config.model.dtype))
+    policy.save_policy_checkpoint(ddp, staging, checkpoint_meta(arch, config.model.dtype))
     dist.barrier()
     if dist.get_rank() == 0:
         tiny_default.publish_dir(staging, final)
@@ -111,7 +112,3 @@ def load_policy(config: TLTConfig, arch: PolicyArchitecture, source: Path | None
         return load_hf_policy(config.model.hf_dir, arch, config.model.dtype)
     model, _ = policy.load_policy_checkpoint(source, dtype=config.model.dtype, per_token_loss=True)
     return model
-
-
-def checkpoint_meta(arch: PolicyArchitecture, dtype: str) -> policy.PolicyCheckpointMeta:
-    return _meta(arch, dtype)

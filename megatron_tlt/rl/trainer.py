@@ -35,7 +35,7 @@ from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.data import PromptDataConfig, PromptExample, load_prompt_dataset
 from megatron_tlt.rl.rewards import get_reward_fn
 from megatron_tlt.rl.sampler import PromptSampler
-from megatron_tlt.rl.timeline import BUSY, IDLE, RankTimeline, rollout_idle_shares
+from megatron_tlt.rl.timeline import BUSY, IDLE, PHASES, RankTimeline, rollout_idle_shares
 from megatron_tlt.rl.update import LossSettings, PolicySequence, policy_update_step
 from megatron_tlt.rl.weight_sync import sync_policy_to_engine
 from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings
@@ -289,7 +289,7 @@ class RLTrainer:
         lengths = [n for p in per_rank for n in p["lengths"]]
         timelines = [p["timeline"] for p in per_rank]
         shares = rollout_idle_shares(timelines)
-        phase = {name: max(t.seconds(name) for t in timelines) for name in ("rollout", "reward", "logprob", "update", "sync")}
+        phase = {name: max(t.seconds(name) for t in timelines) for name in PHASES}
         record = {
             "step": step,
             "reward_mean": statistics.fmean(rewards),
