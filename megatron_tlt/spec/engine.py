@@ -312,6 +312,10 @@ class RolloutEngine:
     def load_weights(self, hf_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the policy weights in place from HF-named tensors (consumed lazily)."""
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(hf_tensors)})
+        # Cached prompt KV blocks were computed by the old weights: a prompt seen again (a shared
+        # system prompt, the next epoch, a held-out set) would otherwise be continued from stale keys.
+        if not self._llm.reset_prefix_cache():
+            raise EngineError(f"rank {self.rank}: vLLM could not drop its prefix cache after a weight sync")
 
     def release_memory(self) -> None:
         """Free the KV cache (and offload weights) while the rank trains or idles; GPU only."""

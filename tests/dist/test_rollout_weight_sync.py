@@ -9,7 +9,9 @@ import pytest
 from megatron_tlt.hf_io import HFCheckpointReader
 from megatron_tlt.launcher import run_on_ranks
 
-PROMPTS = [[1, 5, 7, 9], [3, 4, 100, 22, 17], [200, 13]]
+# The last prompt is longer than a KV-cache block (16 on GPU, 128 on CPU): its first block is
+# cached by the pre-sync generation and must not be reused after the weights change.
+PROMPTS = [[1, 5, 7, 9], [3, 4, 100, 22, 17], [200, 13], [(7 * i) % 250 + 1 for i in range(150)]]
 NEW_TOKENS = 16
 
 
@@ -27,7 +29,7 @@ def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str, eag
         if eagle:  # a drafter that knows nothing of this policy: speculation may only cost speed
             speculation = dict(speculative=SpeculativeSettings(num_speculative_tokens=3),
                                drafter=next_token_fixture(meta.arch)["good_drafter"])
-        engine = RolloutEngine(meta.arch, RolloutEngineConfig(max_model_len=128), workdir=workdir, rank=layout.rank,
+        engine = RolloutEngine(meta.arch, RolloutEngineConfig(max_model_len=256), workdir=workdir, rank=layout.rank,
                                **speculation)
         try:
             before = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=NEW_TOKENS))
