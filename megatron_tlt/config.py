@@ -70,16 +70,21 @@ class DataConfig:
 class WarmupConfig:
     """Supervised warm-up of the built-in tiny policy (used only when model.hf_dir is None); cached."""
 
-    steps: int = 900
-    sequences_per_step: int = 32
+    steps: int = 1600
+    sequences_per_step: int = 16
     """Worked solutions per optimizer step, over all data-parallel ranks."""
     micro_batch_size: int = 4
     lr: float = 3e-3
     """Peak learning rate (linear warm-up over 10% of the steps, then cosine decay)."""
     corpus_size: int = 8192
     """Distinct problems the warm-up draws from."""
+    other_answer_format_share: float = 0.35
+    """Share of warm-up solutions that end "The answer is N" instead of the "#### N" line the reward
+    reads: mixed-format demonstrations, so RL has a format to teach (0: all in the reward's format)."""
     cache_dir: str | None = None
     """Where the tokenizer and warmed-up policy are cached (None: $TLT_CACHE_DIR or ~/.cache/megatron-tlt)."""
+    continue_optimizer: bool = True
+    """RL continues the warm-up's Adam state (its second moments) instead of a fresh Adam."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -118,6 +123,12 @@ class OptimizerConfig:
     """Megatron's Adam."""
 
     lr: float = 1e-5
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``: a fresh Adam's first steps are sign-like
+    (every weight moves by ~lr whatever its gradient's noise), so ramping up keeps noise out of them."""
+    lr_decay_style: str = "constant"
+    """After the warm-up: constant, linear or cosine (to ``min_lr`` at the last step)."""
+    min_lr: float = 0.0
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
@@ -261,6 +272,15 @@ def validate(config: TLTConfig) -> None:
     if config.warmup.sequences_per_step % p.data_parallel_size:
         raise ConfigError(f"warmup.sequences_per_step {config.warmup.sequences_per_step} is not divisible by "
                           f"parallel.data_parallel_size {p.data_parallel_size}")
+    if not 0.0 <= config.warmup.other_answer_format_share <= 1.0:
+        raise ConfigError(f"warmup.other_answer_format_share must be in [0, 1], got "
+                          f"{config.warmup.other_answer_format_share}")
+    o = config.optimizer
+    if o.lr_decay_style not in ("constant", "linear", "cosine"):
+        raise ConfigError(f"optimizer.lr_decay_style must be constant, linear or cosine, got '{o.lr_decay_style}'")
+    if o.lr_warmup_steps < 0 or not 0.0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optimizer.lr_warmup_steps must be >= 0 and 0 <= min_lr <= lr, got "
+                          f"{o.lr_warmup_steps}, {o.min_lr}, {o.lr}")
     if config.model.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got '{config.model.dtype}'")
 

@@ -2,7 +2,7 @@
 
     checkpoints/step_000010/
         policy/                  Megatron distributed checkpoint + tlt_checkpoint.json (any TP/PP)
-        optimizer/tp0_pp0.pt     Adam state of each model-parallel shard (written by DP rank 0)
+        optimizer/tp0of1_pp0of1.pt  Adam state of each model-parallel shard (written by DP rank 0)
         trainer/rank0.pt         per rank: prompt sampler position and RNG states
         trainer.json             the step and layout; written last
 
@@ -26,6 +26,7 @@ from megatron_tlt.hf_io import CheckpointError
 
 CHECKPOINTS_DIR = "checkpoints"
 POLICY_SUBDIR = "policy"
+OPTIMIZER_SUBDIR = "optimizer"
 TRAINER_META = "trainer.json"
 
 
@@ -59,9 +60,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, meta: policy.
     dist.barrier()
     policy.save_policy_checkpoint(model, staging / POLICY_SUBDIR, meta)
     stage = mcore.stage_info()
-    if dp_rank == 0:
-        (staging / "optimizer").mkdir(parents=True, exist_ok=True)
-        torch.save(optimizer.state_dict(), staging / "optimizer" / f"tp{stage.tp_rank}_pp{stage.pp_rank}.pt")
+    save_optimizer_state(staging, optimizer, dp_rank)
     (staging / "trainer").mkdir(parents=True, exist_ok=True)
     torch.save({"sampler": sampler_state, "rng": rng_state()}, staging / "trainer" / f"rank{rank}.pt")
     dist.barrier()
@@ -76,6 +75,29 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, meta: policy.
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _optimizer_file(directory: Path) -> Path:
+    # The layout is in the name: a shard's Adam state only fits the same TP x PP split.
+    stage = mcore.stage_info()
+    return directory / OPTIMIZER_SUBDIR / f"tp{stage.tp_rank}of{stage.tp_size}_pp{stage.pp_rank}of{stage.pp_size}.pt"
+
+
+def save_optimizer_state(directory: Path, optimizer, dp_rank: int) -> None:
+    """This model-parallel shard's Adam state under ``directory/optimizer/`` (DP replicas hold the same)."""
+    if dp_rank == 0:
+        path = _optimizer_file(directory)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(optimizer.state_dict(), path)
+
+
+def has_optimizer_state(directory: Path) -> bool:
+    """Whether ``directory`` holds Adam state for this rank's shard at the current layout."""
+    return _optimizer_file(directory).is_file()
+
+
+def load_optimizer_state(directory: Path, optimizer) -> None:
+    optimizer.load_state_dict(torch.load(_optimizer_file(directory), weights_only=False))
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -107,8 +129,7 @@ def load_checkpoint_state(ckpt: Path, *, optimizer) -> dict:
             f"{ckpt}: saved at tensor_parallel_size {saved['tensor_parallel_size']} x pipeline_parallel_size "
             f"{saved['pipeline_parallel_size']}; resume with the same layout (the policy alone loads at any "
             "layout with `tlt convert`)")
-    optimizer_file = ckpt / "optimizer" / f"tp{stage.tp_rank}_pp{stage.pp_rank}.pt"
-    optimizer.load_state_dict(torch.load(optimizer_file, weights_only=False))
+    load_optimizer_state(ckpt, optimizer)
     rank = dist.get_rank()
     trainer_file = ckpt / "trainer" / f"rank{rank}.pt"
     if not trainer_file.is_file():  # resumed on more ranks than saved: rank 0's RNG, the sampler re-slices

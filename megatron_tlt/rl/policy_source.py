@@ -20,7 +20,7 @@ from megatron_tlt import mcore, policy
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.hf_io import HFCheckpointReader
 from megatron_tlt.model_config import PolicyArchitecture
-from megatron_tlt.rl import tiny_default
+from megatron_tlt.rl import checkpoint, tiny_default
 from megatron_tlt.rl.warmup import WarmupSchedule, run_warmup
 from megatron_tlt.tokenizer import Tokenizer
 
@@ -38,7 +38,7 @@ def checkpoint_meta(arch: PolicyArchitecture, dtype: str) -> policy.PolicyCheckp
 
 def warmed_up_dir(config: TLTConfig, tokenizer: Tokenizer) -> Path:
     """The cache entry of the warmed-up tiny policy for this config (it may not exist yet)."""
-    warmup = {k: v for k, v in dataclasses.asdict(config.warmup).items() if k != "cache_dir"}
+    warmup = {k: v for k, v in dataclasses.asdict(config.warmup).items() if k not in ("cache_dir", "continue_optimizer")}
     key = tiny_default.cache_key(kind="warmup", policy=tiny_default.TINY_POLICY_CONFIG, vocab=tokenizer.vocab_size,
                                  warmup=warmup, seed=config.trainer.seed, dtype=config.model.dtype)
     return tiny_default.cache_root(config.warmup.cache_dir) / f"policy-{key}"
@@ -54,7 +54,8 @@ def _warm_up_tiny_policy(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyAr
     schedule = WarmupSchedule(steps=config.warmup.steps, sequences_per_step=config.warmup.sequences_per_step,
                               micro_batch_size=config.warmup.micro_batch_size, lr=config.warmup.lr,
                               seed=config.trainer.seed)
-    corpus = tiny_default.warmup_sequences(tokenizer, config.warmup.corpus_size)
+    corpus = tiny_default.warmup_sequences(tokenizer, config.warmup.corpus_size,
+                                           config.warmup.other_answer_format_share)
     progress = None
     if show_progress:
         from tqdm.auto import tqdm
@@ -78,6 +79,8 @@ def _warm_up_tiny_policy(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyAr
         shutil.rmtree(staging)
     dist.barrier()
     policy.save_policy_checkpoint(ddp, staging, checkpoint_meta(arch, config.model.dtype))
+    # Kept so RL can continue this optimizer (see RLTrainer): its second moments scale RL's first steps.
+    checkpoint.save_optimizer_state(staging, optimizer, mcore.data_parallel_rank())
     dist.barrier()
     if dist.get_rank() == 0:
         tiny_default.publish_dir(staging, final)

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ANSWER_MARKER = "####"
+OTHER_ANSWER_PREFIX = "The answer is "
+"""How some worked solutions state the answer instead: text the reward's ``####`` rule does not read."""
 PROMPT_PREFIX = "Q: "
 PROMPT_SUFFIX = "=?\nA:"  # the prompt ends here; the model writes the solution next
 MAX_VALUE = 99  # every start value, intermediate and answer lies in 0..MAX_VALUE
@@ -71,6 +73,19 @@ def _format_problem(start: int, operations: list[tuple[str, int]]) -> Problem:
         value = result
     solution = " " + "\n".join(lines) + f"\n{ANSWER_MARKER} {value}"
     return Problem(prompt=prompt, solution=solution, answer=str(value), num_steps=len(operations))
+
+
+def with_other_answer_format(solution: str) -> str:
+    """``solution`` with its final ``#### N`` line written as ``The answer is N``.
+
+    Demonstrations gathered from several sources state answers in several formats, while a verifier
+    reads one; the warm-up corpus mixes both (``warmup.other_answer_format_share``), so the first
+    thing RL has to teach is the format the reward reads, as it is for real reasoning models.
+    """
+    body, _, answer = solution.rpartition(f"\n{ANSWER_MARKER} ")
+    if not body:
+        raise ValueError(f"not a worked solution ending in '{ANSWER_MARKER} <answer>': {solution!r}")
+    return f"{body}\n{OTHER_ANSWER_PREFIX}{answer}"
 
 
 def step_count_weights(max_steps: int, tail: float) -> list[float]:
@@ -137,9 +152,11 @@ def is_correct(prompt: str, response: str) -> bool:
 def task_corpus(num: int, seed: int, **problem_kwargs) -> list[str]:
     """Full worked texts (prompt + solution) of ``generate_problems(num, seed=seed, ...)``.
 
-    For training the tokenizer and the supervised warm-up; use a seed other than the RL prompts' one.
+    For training the tokenizer; use a seed other than the RL prompts' one. Every other text states
+    its answer in the other format (``with_other_answer_format``), so the vocabulary covers both.
     """
-    return [p.prompt + p.solution for p in generate_problems(num, seed=seed, **problem_kwargs)]
+    problems = generate_problems(num, seed=seed, **problem_kwargs)
+    return [p.prompt + (with_other_answer_format(p.solution) if i % 2 else p.solution) for i, p in enumerate(problems)]
 
 
 def train_task_tokenizer(out_dir: str | Path, *, vocab_size: int = 320, num_texts: int = 2000, seed: int = 0) -> Path:

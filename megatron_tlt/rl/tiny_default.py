@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import uuid
 from pathlib import Path
@@ -26,7 +27,7 @@ from megatron_tlt.rl.data import PromptDataset, PromptExample, DataReport
 from megatron_tlt.tokenizer import Tokenizer, load_tokenizer
 
 CACHE_ENV = "TLT_CACHE_DIR"
-CACHE_FORMAT = 1  # bump when a cached artifact's meaning changes
+CACHE_FORMAT = 2  # bump when a cached artifact's meaning changes
 
 # Seeds of the three disjoint uses of the task generator.
 RL_PROMPT_SEED = 1
@@ -108,16 +109,25 @@ def rl_prompts(tokenizer: Tokenizer, num: int) -> PromptDataset:
     return PromptDataset(path=path, examples=tuple(examples), report=report)
 
 
-def warmup_sequences(tokenizer: Tokenizer, num: int) -> list[tuple[list[int], int]]:
+def warmup_sequences(tokenizer: Tokenizer, num: int, other_answer_format_share: float = 0.0
+                     ) -> list[tuple[list[int], int]]:
     """Supervised warm-up data: (BOS + prompt + solution + EOS ids, prompt length) per problem.
 
+    A seeded ``other_answer_format_share`` of the solutions state their answer as "The answer is N"
+    (``synthetic_task.with_other_answer_format``), which the exact-match reward does not read.
     Prompt and solution are tokenized apart, exactly as RL sees them (the prompt alone, then the
     policy's continuation), so the warm-up teaches the token boundary RL samples from.
     """
+    if not 0.0 <= other_answer_format_share <= 1.0:
+        raise ValueError(f"other_answer_format_share must be in [0, 1], got {other_answer_format_share}")
+    formats = random.Random(WARMUP_CORPUS_SEED)
     sequences = []
     for problem in synthetic_task.generate_problems(num, seed=WARMUP_CORPUS_SEED):
+        solution = problem.solution
+        if formats.random() < other_answer_format_share:
+            solution = synthetic_task.with_other_answer_format(solution)
         prompt = tokenizer.encode(problem.prompt, add_bos=True)
-        sequences.append((prompt + tokenizer.encode(problem.solution) + [tokenizer.eos_id], len(prompt)))
+        sequences.append((prompt + tokenizer.encode(solution) + [tokenizer.eos_id], len(prompt)))
     return sequences
 
 

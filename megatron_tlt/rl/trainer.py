@@ -97,7 +97,12 @@ class RLTrainer:
         opt = config.optimizer
         self.optimizer = mcore.build_optimizer(self.model, lr=opt.lr, weight_decay=opt.weight_decay,
                                                clip_grad=opt.clip_grad, adam_beta1=opt.adam_beta1,
-                                               adam_beta2=opt.adam_beta2)
+                                               adam_beta2=opt.adam_beta2, min_lr=opt.min_lr)
+        self.lr_schedule = mcore.build_lr_scheduler(
+            self.optimizer, lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.lr_warmup_steps,
+            total_steps=config.trainer.steps * config.trainer.updates_per_step, style=opt.lr_decay_style)
+        if ckpt is None and config.warmup.continue_optimizer:
+            self._continue_warmup_optimizer()
         self.reference = None
         if config.algorithm.kl_coef != 0.0:  # frozen copy of the starting policy
             self.reference = policy_source.load_policy(config, self.arch, self.initial_source)
@@ -111,6 +116,7 @@ class RLTrainer:
             self.sampler.load_state_dict(state["sampler"])
             checkpoint.set_rng_state(state["rng"])
             self.start_step = checkpoint.checkpoint_step(ckpt)
+            self.lr_schedule.step(self.start_step * config.trainer.updates_per_step)  # a function of the step
             if self.is_reporter:
                 logger.info("resuming %s from step %d (%s)", run_dir, self.start_step, ckpt)
 
@@ -150,6 +156,24 @@ class RLTrainer:
             self.held_out = []
         if self.tokenizer.eos_id is None:
             raise ValueError(f"tokenizer {self.tokenizer.directory} has no EOS token: responses would never end")
+
+    def _continue_warmup_optimizer(self) -> None:
+        """Start RL from the warm-up's Adam state, at RL's learning rate.
+
+        A fresh Adam's first steps are sign-like: every weight moves by ~lr however noisy its gradient,
+        and RL gradients from a few hundred samples are mostly noise for most weights of a tiny policy.
+        The warm-up's second moments make RL's steps proportional to the gradient instead.
+        """
+        source = self.initial_source
+        if source is None or not checkpoint.has_optimizer_state(source):
+            if self.is_reporter and source is not None:
+                logger.info("%s holds no optimizer state for this layout: RL starts with a fresh Adam", source)
+            return
+        checkpoint.load_optimizer_state(source, self.optimizer)
+        opt = self.config.optimizer
+        for group in self.optimizer.param_groups:  # the loaded groups carry the warm-up's learning rates
+            group["max_lr"], group["min_lr"] = opt.lr, opt.min_lr
+            group["lr"] = self.lr_schedule.get_lr(group)
 
     def _sampling(self, *, n: int, temperature: float, seed: int | None) -> SamplingSettings:
         r = self.config.rollout
@@ -242,6 +266,10 @@ class RLTrainer:
         with timeline.phase("update"):
             for u in range(t.updates_per_step):  # mini-batches interleave short and long sequences
                 mini = [seq for i, seq in sequences if i % t.updates_per_step == u]
+                # Advanced before the step, so optimizer step k runs at the schedule's k-th value
+                # (Megatron's scheduler starts at init_lr 0, which would waste the first step).
+                self.lr_schedule.step(1)
+                metrics.setdefault("lr", []).append(self.optimizer.param_groups[0]["lr"])
                 step_metrics = policy_update_step(self.model, self.optimizer, mini, vocab_size=self.arch.vocab_size,
                                                   micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
                                                   settings=settings)

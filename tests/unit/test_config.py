@@ -7,7 +7,7 @@ def test_defaults_then_named_config_then_overrides_apply_in_order():
     config = load_config("tiny", ["rollout.temperature=0.7", "trainer.steps=3", "parallel.tensor_parallel_size=2"])
     assert isinstance(config, TLTConfig)
     assert config.rollout.temperature == 0.7 and config.trainer.steps == 3
-    assert config.optimizer.lr == 2e-5  # from launch/configs/tiny.yaml
+    assert config.optimizer.lr == 3e-4  # from launch/configs/tiny.yaml
     assert config.algorithm.clip_high == 0.2  # untouched default
     assert world_size(config) == 4
 
@@ -44,6 +44,9 @@ def test_bad_names_and_malformed_overrides_are_refused():
     ("rollout.top_p=0", "top_p must be in"),
     ("parallel.tensor_parallel_size=0", "parallel.tensor_parallel_size must be >= 1"),
     ("model.dtype=float8", "model.dtype must be"),
+    ("optimizer.lr_decay_style=exp", "lr_decay_style must be constant, linear or cosine"),
+    ("optimizer.min_lr=1", "0 <= min_lr <= lr"),
+    ("warmup.other_answer_format_share=1.5", "other_answer_format_share must be in"),
 ])
 def test_inconsistent_values_are_refused_at_load(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -8,6 +8,7 @@ import pytest
 
 from megatron_tlt.rl.synthetic_task import (
     ANSWER_MARKER,
+    OTHER_ANSWER_PREFIX,
     PROMPT_SUFFIX,
     Problem,
     extract_answer,
@@ -16,6 +17,7 @@ from megatron_tlt.rl.synthetic_task import (
     length_stats,
     solve,
     task_corpus,
+    with_other_answer_format,
 )
 from megatron_tlt.tokenizer import load_tokenizer, train_sentencepiece
 
@@ -88,6 +90,22 @@ def test_the_answer_is_extracted_from_the_text_after_the_last_marker(problems):
     assert not is_correct("Q: 12+3=?\nA:", " 12+3=15\n#### 14")
 
 
+def test_the_other_answer_format_keeps_the_work_and_is_not_read_by_the_reward(problems):
+    for problem in problems[:200]:
+        other = with_other_answer_format(problem.solution)
+        assert other.endswith(f"\n{OTHER_ANSWER_PREFIX}{problem.answer}")
+        assert other.rsplit("\n", 1)[0] == problem.solution.rsplit("\n", 1)[0]  # same worked lines
+        assert extract_answer(other) is None and not is_correct(problem.prompt, other)
+    with pytest.raises(ValueError, match="not a worked solution"):
+        with_other_answer_format("12+3=15")
+
+
+def test_the_tokenizer_corpus_holds_both_answer_formats():
+    corpus = task_corpus(10, seed=0)
+    assert sum(ANSWER_MARKER in text for text in corpus) == 5
+    assert sum(OTHER_ANSWER_PREFIX in text for text in corpus) == 5
+
+
 def test_solve_rejects_text_that_is_not_a_task_prompt():
     with pytest.raises(ValueError, match="not a synthetic-task prompt"):
         solve("What is 2+2?")
@@ -145,3 +163,18 @@ def test_the_problem_record_holds_prompt_solution_answer_and_steps():
     assert isinstance(problem, Problem)
     assert problem.prompt.startswith("Q: ")
     assert problem.num_steps >= 1
+
+
+def test_the_warmup_corpus_states_the_configured_share_of_answers_in_the_other_format(task_tokenizer):
+    from megatron_tlt.rl.tiny_default import warmup_sequences
+
+    mixed = warmup_sequences(task_tokenizer, 400, other_answer_format_share=0.35)
+    assert mixed == warmup_sequences(task_tokenizer, 400, other_answer_format_share=0.35)  # seeded
+    solutions = [task_tokenizer.decode(ids[prompt_len:], skip_special_tokens=True) for ids, prompt_len in mixed]
+    other = sum(OTHER_ANSWER_PREFIX.strip() in text for text in solutions)
+    assert 0.28 * 400 < other < 0.42 * 400
+    assert all((ANSWER_MARKER in text) != (OTHER_ANSWER_PREFIX.strip() in text) for text in solutions)
+    assert all(ids[-1] == task_tokenizer.eos_id for ids, _ in mixed)
+    plain = warmup_sequences(task_tokenizer, 400)
+    assert not any(OTHER_ANSWER_PREFIX.strip() in task_tokenizer.decode(ids[p:], skip_special_tokens=True)
+                   for ids, p in plain)
