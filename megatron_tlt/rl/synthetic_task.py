@@ -20,7 +20,9 @@ Why this shape (DESIGN.md sections 1, 4, 5):
   sentencepiece vocabulary, prompt and BOS/EOS included.
 
 The reward (``rl/rewards.py``) takes the first line after the last ``####``, stripped, and compares it with
-``Problem.answer`` exactly; ``extract_answer`` here is that same rule (``rl.rewards``).
+``Problem.answer`` exactly; ``extract_answer`` here is that same rule (``rl.rewards``). Some warm-up
+demonstrations end ``The answer is 43`` instead (``with_other_answer_format``), which that rule does not
+read: the format RL then teaches.
 """
 
 from __future__ import annotations
