@@ -1,0 +1,130 @@
+"""The Spot Trainer: a rank whose rollout share is done trains the drafter until the slowest rank is done.
+
+Each rank is BUSY (its engine generates its share), IDLE (share done, nothing to train or the
+device still busy) or TRAINING (a drafter micro-step in flight). Idle is detected from two signals:
+  * the engine's own: ``generate`` returned, so no request of this rank is in flight;
+  * on GPU, NVML utilisation of this rank's device (pynvml), so a device still busy with other work
+    (e.g. a colocated engine's last kernels) is not trained on. Without NVML it is said once and the
+    engine signal alone decides.
+The end of rollout is an asynchronous barrier over all ranks. Between micro-steps the rank polls it,
+so a rank is released at most one drafter micro-step after the slowest rank finished: the step in
+flight completes, no new one starts (preemption).
+
+A failure inside drafter training never reaches the RL run: it is logged once with its traceback,
+drafter training stays off for the rest of the run, and the rank waits idle as it would without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from megatron_tlt.rl.timeline import IDLE, TRAINING, RankTimeline
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.001  # between barrier polls while idle: 1 ms bounds the release latency of an idle rank
+# The last rank to arrive sees the barrier complete within a few ms; waiting that long before the
+# first micro-step keeps it from starting drafter work on the critical path.
+FIRST_STEP_GRACE_SECONDS = 0.005
+GPU_BUSY_PERCENT = 10  # NVML utilisation above this means the device is still working for someone else
+
+
+@dataclasses.dataclass
+class SpotReport:
+    """What one rank did with its idle time in one rollout phase."""
+
+    micro_steps: int = 0
+    tokens: int = 0
+    """Drafter training tokens processed."""
+    training_seconds: float = 0.0
+    idle_seconds: float = 0.0
+    """Idle time not spent training (no work, training off, or the device busy)."""
+    released_at: float = 0.0
+    """Wall-clock time the rank left the rollout phase (for the preemption latency)."""
+    failed: bool = False
+
+
+class DeviceIdleProbe:
+    """NVML utilisation of this rank's GPU; always 'quiet' where NVML is unavailable (said once)."""
+
+    def __init__(self, device_index: int | None):
+        self._handle = None
+        self._nvml = None
+        if device_index is None:
+            logger.info("no GPU: idle detection uses the engine signal only (NVML not polled)")
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._nvml = pynvml
+        except Exception as err:  # no driver, no library, no such device: fall back, once
+            logger.info("NVML unavailable (%s): idle detection uses the engine signal only", err)
+
+    def device_quiet(self) -> bool:
+        if self._handle is None:
+            return True
+        return self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu <= GPU_BUSY_PERCENT
+
+
+class SpotTrainer:
+    """Runs drafter micro-steps on this rank while it waits for the rest of the rollout.
+
+    ``micro_step`` trains on one pack and returns the tokens it processed, or 0 when there is nothing
+    to train on; it must not touch the policy, the global RNGs or any process group.
+    """
+
+    def __init__(self, micro_step: Callable[[], int] | None, probe: DeviceIdleProbe):
+        self.micro_step = micro_step
+        self.probe = probe
+        self.enabled = micro_step is not None
+
+    def wait_for_rollout_end(self, timeline: RankTimeline, group=None) -> SpotReport:
+        """Called when this rank's share is done; returns once every rank of ``group`` is done."""
+        report = SpotReport()
+        barrier = dist.barrier(group=group, async_op=True)
+        idle_since = time.time()
+        while not barrier.is_completed() and time.time() - idle_since < FIRST_STEP_GRACE_SECONDS:
+            time.sleep(POLL_SECONDS)
+        while not barrier.is_completed():
+            if not (self.enabled and self.probe.device_quiet()):
+                time.sleep(POLL_SECONDS)
+                continue
+            start = time.time()
+            tokens = self._train_one()
+            end = time.time()
+            if tokens > 0:
+                self._close_idle(timeline, report, idle_since, start)
+                timeline.add("rollout", TRAINING, start, end)
+                report.micro_steps += 1
+                report.tokens += tokens
+                report.training_seconds += end - start
+                idle_since = end
+            else:  # nothing to train on this step: wait like an idle rank
+                time.sleep(POLL_SECONDS)
+        barrier.wait()
+        report.released_at = time.time()
+        self._close_idle(timeline, report, idle_since, report.released_at)
+        report.failed = not self.enabled and self.micro_step is not None
+        return report
+
+    def _train_one(self) -> int:
+        try:
+            return int(self.micro_step())
+        except Exception:
+            logger.exception("drafter training failed on this rank; it stays off for the rest of the run "
+                             "(the RL run itself is not affected)")
+            self.enabled = False
+            return 0
+
+    @staticmethod
+    def _close_idle(timeline: RankTimeline, report: SpotReport, start: float, end: float) -> None:
+        if end > start:
+            timeline.add("rollout", IDLE, start, end)
+            report.idle_seconds += end - start
