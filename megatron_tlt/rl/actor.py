@@ -25,7 +25,8 @@ class LogProbResult:
     token_logprobs: list[torch.Tensor]
     """For sequence i, log p(token t+1 | tokens <= t) for t = 0 .. len-2: shape [len_i - 1]."""
     hidden_states: list[torch.Tensor] | None
-    """For sequence i, the post-final-norm hidden state at every position: [len_i, hidden]."""
+    """For sequence i, the post-final-norm hidden state at positions 0 .. len-2: [len_i - 1, hidden]
+    (the last token's feature would draft a token after the sequence, which no example needs)."""
 
 
 def _pad(sequences: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:

@@ -1,0 +1,132 @@
+import pytest
+import torch
+
+from megatron_tlt.drafter.model import EagleDrafter, block_causal_mask
+from megatron_tlt.model_config import architecture_from_dict
+from megatron_tlt.spec.eagle import DrafterMismatch, eagle_drafter_config, expected_drafter_shapes, validate_drafter
+from megatron_tlt.tiny_models import TINY_LLAMA, TINY_QWEN2, next_token_fixture
+
+LLAMA = architecture_from_dict(TINY_LLAMA)
+QWEN2 = architecture_from_dict(TINY_QWEN2)
+
+
+def _one_sequence(num_tokens: int):
+    return torch.arange(num_tokens), torch.zeros(num_tokens, dtype=torch.long)
+
+
+@pytest.mark.parametrize("arch", [LLAMA, QWEN2], ids=["llama", "qwen2"])
+def test_state_dict_holds_exactly_the_vllm_drafter_tensors(arch):
+    drafter = EagleDrafter(arch)
+    state = drafter.state_dict()
+    expected = expected_drafter_shapes(arch)
+    assert {name: tuple(t.shape) for name, t in state.items()} == expected
+    validate_drafter(arch, state)
+    assert not any("embed" in name or "lm_head" in name or "input_layernorm" in name for name in state)
+    assert ("layers.0.self_attn.q_proj.bias" in state) == arch.qkv_bias
+
+
+def test_initial_drafter_copies_the_feature_half_of_fc_and_is_the_same_on_every_rank():
+    h = LLAMA.hidden_size
+    drafter = EagleDrafter(LLAMA)
+    assert torch.equal(drafter.fc.weight[:, h:], torch.eye(h))
+    assert drafter.fc.weight[:, :h].abs().max() > 0  # the token half is random, not zero
+    other_rank = EagleDrafter(LLAMA)
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), other_rank.state_dict().values()))
+
+
+def test_good_drafter_drafts_the_targets_next_token_and_the_bad_one_does_not():
+    fixture = next_token_fixture(LLAMA)
+    embed, lm_head = fixture["target"]["model.embed_tokens.weight"], fixture["target"]["lm_head.weight"]
+    tokens = torch.randint(0, LLAMA.vocab_size, (60,), generator=torch.Generator().manual_seed(0))
+    features = torch.randn(60, LLAMA.hidden_size)  # a good drafter must not need them
+    positions, segments = _one_sequence(60)
+    policy_next = fixture["next_probs"][tokens].argmax(-1)
+    for name, expected_agreement in (("good_drafter", 1.0), ("bad_drafter", None)):
+        drafter = EagleDrafter.from_tensors(LLAMA, fixture[name])
+        with torch.no_grad():
+            drafted = (drafter(embed[tokens], features, positions, segments) @ lm_head.T).argmax(-1)
+        agreement = (drafted == policy_next).float().mean().item()
+        if expected_agreement is None:
+            assert agreement < 0.2, "fc = [0, I] ignores the token: if it agrees, the fc input order is swapped"
+        else:
+            assert agreement == expected_agreement
+
+
+def test_drafter_layer_matches_transformers_llama_attention_and_mlp():
+    """Pins RoPE (theta and Llama-3 scaling), GQA and the residual layout against transformers' own Llama code."""
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as hf
+
+    torch.manual_seed(0)
+    drafter = EagleDrafter(LLAMA, seed=3)
+    with torch.no_grad():
+        for param in drafter.parameters():
+            param.normal_(0.0, 0.3)  # large enough that attention is far from uniform
+    config = LlamaConfig.from_dict(eagle_drafter_config(LLAMA))
+    config._attn_implementation = "eager"
+    attention, mlp = hf.LlamaAttention(config, layer_idx=0), hf.LlamaMLP(config)
+    norm = hf.LlamaRMSNorm(LLAMA.hidden_size, eps=LLAMA.rms_norm_eps)
+    layer_state = {k.removeprefix("layers.0."): v for k, v in drafter.state_dict().items() if k.startswith("layers.0.")}
+    def part(prefix):
+        return {k.removeprefix(prefix): v for k, v in layer_state.items() if k.startswith(prefix)}
+
+    attention.load_state_dict(part("self_attn."))
+    mlp.load_state_dict(part("mlp."))
+    norm.load_state_dict({"weight": layer_state["post_attention_layernorm.weight"]})
+
+    num_tokens = 40
+    start = 100  # beyond original_max_position_embeddings (32): Llama-3 scaling matters
+    embeds, features = torch.randn(num_tokens, LLAMA.hidden_size), torch.randn(num_tokens, LLAMA.hidden_size)
+    positions = torch.arange(start, start + num_tokens)
+    with torch.no_grad():
+        ours = drafter(embeds, features, positions, torch.zeros(num_tokens, dtype=torch.long))
+        x = drafter.fc(torch.cat([embeds, features], -1))[None]
+        cos_sin = hf.LlamaRotaryEmbedding(config)(x, positions[None])
+        causal = torch.full((num_tokens, num_tokens), float("-inf")).triu(1)[None, None]
+        x = x + attention(x, position_embeddings=cos_sin, attention_mask=causal)[0]
+        reference = x + mlp(norm(x))
+    # Outputs reach ~80 here: float32 rounding alone (ours or transformers' against float64) is ~1e-3.
+    torch.testing.assert_close(ours, reference[0], atol=2e-3, rtol=1e-4)
+
+
+def test_block_causal_mask_never_crosses_a_segment():
+    mask = block_causal_mask(torch.tensor([0, 0, 1, 1, 1]))
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [0, 0, 1, 0, 0],
+                             [0, 0, 1, 1, 0],
+                             [0, 0, 1, 1, 1]]).bool()
+    assert torch.equal(mask, expected)
+
+
+def test_export_gives_detached_cpu_copies_that_round_trip():
+    drafter = EagleDrafter(QWEN2, seed=1)
+    exported = drafter.export_tensors()
+    assert set(exported) == set(expected_drafter_shapes(QWEN2))
+    assert all(t.device.type == "cpu" and not t.requires_grad for t in exported.values())
+    exported["fc.weight"].zero_()  # a copy: the module does not change
+    assert drafter.fc.weight.abs().max() > 0
+    exported = drafter.export_tensors()
+    reloaded = EagleDrafter.from_tensors(QWEN2, {**exported, "embed_tokens.weight": torch.zeros(250, 64)})
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), drafter.state_dict().values()))
+    assert all(t.dtype == torch.bfloat16 for t in drafter.export_tensors(torch.bfloat16).values())
+
+
+def test_loading_a_drafter_made_for_another_policy_is_refused():
+    with pytest.raises(DrafterMismatch, match="missing tensors"):
+        EagleDrafter(QWEN2).load_tensors(EagleDrafter(LLAMA).export_tensors())  # no q/k/v bias
+
+
+def test_bfloat16_drafter_runs_and_keeps_float32_rope_frequencies():
+    reference = EagleDrafter(LLAMA)
+    drafter = EagleDrafter(LLAMA, dtype=torch.bfloat16)
+    cast = EagleDrafter(LLAMA).to(torch.bfloat16)
+    assert drafter.rope_inv_freq.dtype == cast.rope_inv_freq.dtype == torch.float32
+    assert torch.equal(cast.rope_inv_freq, reference.rope_inv_freq)
+    embeds, features = torch.randn(16, LLAMA.hidden_size), torch.randn(16, LLAMA.hidden_size)
+    positions, segments = _one_sequence(16)
+    out = drafter(embeds, features, positions, segments)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference(embeds, features, positions, segments), atol=0.1, rtol=0.05)
+    with pytest.raises(ValueError, match="float32 or torch.bfloat16"):
+        EagleDrafter(LLAMA, dtype=torch.float16)

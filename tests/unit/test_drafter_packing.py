@@ -1,0 +1,100 @@
+import pytest
+import torch
+
+from megatron_tlt.drafter.model import EagleDrafter
+from megatron_tlt.drafter.packing import eagle_examples, pack_sequences
+from megatron_tlt.model_config import architecture_from_dict
+from megatron_tlt.tiny_models import TINY_LLAMA
+
+LLAMA = architecture_from_dict(TINY_LLAMA)
+H = LLAMA.hidden_size
+
+
+def _sequence(num_tokens: int, seed: int):
+    """Random token ids and the L - 1 feature rows the log-prob pass captures for them."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, LLAMA.vocab_size, (num_tokens,), generator=g), torch.randn(num_tokens - 1, H, generator=g)
+
+
+def _run(drafter, embed, pack):
+    with torch.no_grad():
+        return drafter(embed[pack.input_ids_t], pack.features_th, pack.position_ids_t, pack.segment_ids_t)
+
+
+def _segment_rows(pack, sequence_index):
+    segment = pack.sequence_index_s.index(sequence_index)
+    return pack.segment_ids_t == segment
+
+
+def test_example_at_position_t_reads_token_t_plus_1_and_feature_t_and_predicts_feature_t_plus_1():
+    tokens = torch.tensor([10, 11, 12, 13, 14, 15])
+    features = torch.arange(5.0)[:, None].expand(5, 3)  # f_t = t, for t = 0 .. L-2 (the log-prob pass's rows)
+    examples = eagle_examples(tokens, features)
+    assert examples.input_ids_t.tolist() == [11, 12, 13, 14]
+    assert examples.features_th[:, 0].tolist() == [0, 1, 2, 3]
+    assert examples.target_features_th[:, 0].tolist() == [1, 2, 3, 4]
+    assert examples.position_ids_t.tolist() == [0, 1, 2, 3]
+    with_last = eagle_examples(tokens, torch.arange(6.0)[:, None])  # a feature for every token: one more row
+    assert with_last.input_ids_t.tolist() == [11, 12, 13, 14, 15]
+    assert with_last.target_features_th[:, 0].tolist() == [1, 2, 3, 4, 5]
+
+
+def test_token_and_feature_counts_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match="needs 5 \\(or 6\\) feature rows, got 3"):
+        eagle_examples(torch.arange(6), torch.zeros(3, 4))
+
+
+def test_packs_hold_at_most_max_tokens_keep_every_example_and_restart_positions():
+    sequences = [_sequence(n, seed) for seed, n in enumerate([30, 12, 25, 3, 2, 40])]
+    packs = pack_sequences(sequences, max_tokens=48)
+    assert all(p.num_tokens <= 48 for p in packs)
+    assert sum(p.num_tokens for p in packs) == sum(len(ids) - 2 for ids, _ in sequences if len(ids) > 2)
+    for pack in packs:
+        for segment, index in enumerate(pack.sequence_index_s):
+            rows = pack.segment_ids_t == segment
+            assert rows.nonzero().flatten().diff().eq(1).all(), "a segment's rows must be contiguous"
+            expected = eagle_examples(*sequences[index])
+            assert pack.position_ids_t[rows].tolist() == list(range(expected.num_tokens))
+            assert torch.equal(pack.input_ids_t[rows], expected.input_ids_t)
+            assert torch.equal(pack.features_th[rows], expected.features_th)
+            assert torch.equal(pack.target_features_th[rows], expected.target_features_th)
+    assert 4 not in {i for p in packs for i in p.sequence_index_s}  # 2 tokens, 1 feature: no example
+
+
+def test_a_sequence_longer_than_a_pack_is_split_into_chunks_that_keep_their_positions():
+    tokens, features = _sequence(26, seed=0)  # 24 examples
+    packs = pack_sequences([(tokens, features)], max_tokens=10)
+    assert [p.num_tokens for p in packs] == [10, 10, 4]
+    assert torch.cat([p.position_ids_t for p in packs]).tolist() == list(range(24))
+    assert torch.equal(torch.cat([p.input_ids_t for p in packs]), tokens[1:25])
+
+
+def test_changing_one_sequence_leaves_the_others_in_its_pack_unchanged():
+    drafter = EagleDrafter(LLAMA, seed=0)
+    embed = torch.randn(LLAMA.vocab_size, H)
+    sequences = [_sequence(n, seed) for seed, n in enumerate([20, 33, 17])]
+    (pack,) = pack_sequences(sequences, max_tokens=128)
+    changed_tokens = (sequences[1][0] + 7) % LLAMA.vocab_size
+    changed = [sequences[0], (changed_tokens, torch.randn(32, H)), sequences[2]]
+    (changed_pack,) = pack_sequences(changed, max_tokens=128)
+    out, changed_out = _run(drafter, embed, pack), _run(drafter, embed, changed_pack)
+    for index in (0, 2):
+        rows = _segment_rows(pack, index)
+        torch.testing.assert_close(changed_out[rows], out[rows], atol=1e-6, rtol=0)
+    rows = _segment_rows(pack, 1)
+    assert (changed_out[rows] - out[rows]).abs().max() > 0.1
+
+
+def test_packed_output_of_a_sequence_equals_running_it_alone():
+    drafter = EagleDrafter(LLAMA, seed=0)
+    with torch.no_grad():
+        for param in drafter.parameters():
+            param.add_(torch.randn_like(param) * 0.2)  # make attention matter
+    embed = torch.randn(LLAMA.vocab_size, H)
+    sequences = [_sequence(n, seed) for seed, n in enumerate([20, 33, 17, 9])]
+    (pack,) = pack_sequences(sequences, max_tokens=128)
+    packed_out = _run(drafter, embed, pack)
+    for index, sequence in enumerate(sequences):
+        (alone,) = pack_sequences([sequence], max_tokens=128)
+        torch.testing.assert_close(packed_out[_segment_rows(pack, index)], _run(drafter, embed, alone),
+                                   atol=1e-5, rtol=1e-5)
