@@ -136,6 +136,23 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class DrafterConfig:
+    """The EAGLE drafter: speculative rollouts, and its training on ranks idle in the rollout long tail (TLT)."""
+
+    speculative_tokens: int = 0
+    """Draft depth K of the rollout engines' EAGLE speculation (0: no speculation)."""
+    spot_training: bool = False
+    """Train the drafter on ranks whose rollout share is done, until the slowest rank is done."""
+    lr: float = 1e-3
+    buffer_tokens: int = 65536
+    """Feature rows kept for drafter training; the oldest whole sequences are dropped first."""
+    pack_tokens: int = 1024
+    """Training rows per drafter micro-step: also the preemption granularity."""
+    hidden_weight: float = 1.0
+    ce_weight: float = 0.1
+
+
+@dataclasses.dataclass(kw_only=True)
 class TrainerConfig:
     """The RL loop itself."""
 
@@ -171,6 +188,7 @@ class TLTConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
 
 
@@ -275,6 +293,13 @@ def validate(config: TLTConfig) -> None:
     if not 0.0 <= config.warmup.other_answer_format_share <= 1.0:
         raise ConfigError(f"warmup.other_answer_format_share must be in [0, 1], got "
                           f"{config.warmup.other_answer_format_share}")
+    d = config.drafter
+    if d.speculative_tokens < 0 or d.buffer_tokens < 1 or d.pack_tokens < 1:
+        raise ConfigError(f"drafter.speculative_tokens must be >= 0 and buffer_tokens, pack_tokens >= 1, got "
+                          f"{d.speculative_tokens}, {d.buffer_tokens}, {d.pack_tokens}")
+    if d.spot_training and p.pipeline_parallel_size != 1:
+        raise ConfigError("drafter.spot_training needs parallel.pipeline_parallel_size 1 for now: the drafter's "
+                          "features live on the last pipeline stage only")
     o = config.optimizer
     if o.lr_decay_style not in ("constant", "linear", "cosine"):
         raise ConfigError(f"optimizer.lr_decay_style must be constant, linear or cosine, got '{o.lr_decay_style}'")

@@ -83,9 +83,11 @@ class RunReporter:
                 for rank, v in enumerate(value):
                     self.writer.add_scalar(f"{key}/rank{rank}", v, step)
         self.writer.flush()
-        self.progress.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.3f}",
-                                  len=f"{record['response_length_mean']:.0f}",
-                                  idle=f"{100 * record['rollout_idle_share_mean']:.0f}%", refresh=False)
+        postfix = dict(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.3f}",
+                       len=f"{record['response_length_mean']:.0f}", idle=f"{100 * record['rollout_idle_share_mean']:.0f}%")
+        if "spec/mean_acceptance_length" in record:
+            postfix["accept_len"] = f"{record['spec/mean_acceptance_length']:.2f}"
+        self.progress.set_postfix(**postfix, refresh=False)
         self.progress.update(1)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:

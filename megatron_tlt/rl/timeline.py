@@ -1,7 +1,7 @@
 """The per-rank timeline: what each rank did, and when, in every RL step.
 
-Each rank records spans (phase, state, start, end) on the wall clock; ``state`` is BUSY or IDLE
-(the spot trainer of a later issue adds TRAINING). Rollout is the phase where ranks diverge: a rank
+Each rank records spans (phase, state, start, end) on the wall clock; ``state`` is BUSY, IDLE or,
+while the spot trainer runs drafter steps in the rollout long tail, TRAINING. Rollout is the phase where ranks diverge: a rank
 is BUSY while its own engine generates and IDLE from the moment its share is done until the slowest
 rank finishes (the barrier that closes the phase). That idle time is what TLT puts to use.
 """
@@ -54,10 +54,16 @@ class RankTimeline:
         return [dict(step=step, rank=self.rank, **dataclasses.asdict(s)) for s in self.spans]
 
 
+def rollout_idle_seconds(timeline: RankTimeline) -> float:
+    """Rollout time this rank was not generating: IDLE plus, with the spot trainer, TRAINING."""
+    return timeline.seconds("rollout") - timeline.seconds("rollout", BUSY)
+
+
 def rollout_idle_shares(timelines: list[RankTimeline]) -> list[float]:
-    """Per rank, the share of the rollout phase it spent idle (0 for the slowest rank)."""
+    """Per rank, the share of the rollout phase it was not generating (0 for the slowest rank):
+    the time TLT can use, whether the spot trainer used it (TRAINING) or not (IDLE)."""
     shares = []
     for timeline in timelines:
         total = timeline.seconds("rollout")
-        shares.append(timeline.seconds("rollout", IDLE) / total if total > 0 else 0.0)
+        shares.append(rollout_idle_seconds(timeline) / total if total > 0 else 0.0)
     return shares

@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from megatron_tlt import mcore
 from megatron_tlt.config import TLTConfig
+from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotTrainer
+from megatron_tlt.drafter.trainer import DrafterTrainer, DrafterTrainingSettings
 from megatron_tlt.model_config import load_architecture
 from megatron_tlt.rl import checkpoint, policy_source, run_dir as run_files, tiny_default
 from megatron_tlt.rl.actor import compute_logprobs
@@ -35,15 +37,16 @@ from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.data import PromptDataConfig, PromptExample, load_prompt_dataset
 from megatron_tlt.rl.rewards import get_reward_fn
 from megatron_tlt.rl.sampler import PromptSampler
-from megatron_tlt.rl.timeline import BUSY, IDLE, PHASES, RankTimeline, rollout_idle_shares
+from megatron_tlt.rl.timeline import BUSY, IDLE, PHASES, TRAINING, RankTimeline, rollout_idle_seconds, rollout_idle_shares
 from megatron_tlt.rl.update import LossSettings, PolicySequence, policy_update_step
 from megatron_tlt.rl.weight_sync import sync_policy_to_engine
-from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings
+from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings, SpeculativeSettings
 from megatron_tlt.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 EVAL_SAMPLES_PER_PROMPT = 4
+_EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"  # HF names (tied: no lm_head)
 _EVAL_SEED_STEP = 1 << 30  # a step index no RL step reaches: evaluation samples never repeat a rollout's
 
 
@@ -125,7 +128,13 @@ class RLTrainer:
             longest_prompt = max(len(e.prompt_ids) for e in self.dataset.examples + tuple(self.held_out))
             engine_config = dataclasses.replace(engine_config, max_model_len=min(
                 self.arch.max_position_embeddings, longest_prompt + config.rollout.max_response_tokens))
-        self.engine = RolloutEngine(self.arch, engine_config, workdir=run_dir / "engines", rank=self.rank)
+        self._build_drafter()
+        speculation = {}
+        if config.drafter.speculative_tokens > 0:
+            speculation = dict(speculative=SpeculativeSettings(num_speculative_tokens=config.drafter.speculative_tokens),
+                               drafter=self.drafter_trainer.drafter.export_tensors())
+        self.engine = RolloutEngine(self.arch, engine_config, workdir=run_dir / "engines", rank=self.rank,
+                                    **speculation)
         self.drafter_features: list[torch.Tensor] | None = None
         self.reporter = None
         if self.is_reporter:
@@ -156,6 +165,19 @@ class RLTrainer:
             self.held_out = []
         if self.tokenizer.eos_id is None:
             raise ValueError(f"tokenizer {self.tokenizer.directory} has no EOS token: responses would never end")
+
+    def _build_drafter(self) -> None:
+        """The drafter replica of this rank (speculation or spot training on), and the spot trainer."""
+        d = self.config.drafter
+        self.drafter_trainer, self.spot = None, None
+        if d.speculative_tokens == 0 and not d.spot_training:
+            return
+        self.drafter_trainer = DrafterTrainer(self.arch, DrafterTrainingSettings(
+            lr=d.lr, buffer_tokens=d.buffer_tokens, pack_tokens=d.pack_tokens, hidden_weight=d.hidden_weight,
+            ce_weight=d.ce_weight, seed=self.config.trainer.seed))
+        if d.spot_training:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else None
+            self.spot = SpotTrainer(self.drafter_trainer.micro_step, DeviceIdleProbe(device))
 
     def _continue_warmup_optimizer(self) -> None:
         """Start RL from the warm-up's Adam state, at RL's learning rate.
@@ -203,10 +225,14 @@ class RLTrainer:
                            seed=_rollout_seed(self.config.trainer.seed, step, self.rank)),
         ) if mine else None
         done = time.time()
-        dist.barrier()  # the phase ends when the slowest rank is done; until then this rank idles
-        end = time.time()
         timeline.add("rollout", BUSY, start, done)
-        timeline.add("rollout", IDLE, done, end)
+        self.spot_report = None
+        if self.spot is not None:  # idle until the slowest rank is done: train the drafter meanwhile
+            self.drafter_trainer.reset_phase_stats()
+            self.spot_report = self.spot.wait_for_rollout_end(timeline)
+        else:
+            dist.barrier()  # the phase ends when the slowest rank is done; until then this rank idles
+            timeline.add("rollout", IDLE, done, time.time())
         return mine, result
 
     def _score_and_share(self, mine, result, timeline: RankTimeline) -> tuple[list[Sample], list[Sample]]:
@@ -239,13 +265,15 @@ class RLTrainer:
         with timeline.phase("logprob"):
             result = compute_logprobs(self.model, sequences, vocab_size=self.arch.vocab_size,
                                       micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
-                                      capture_hidden=t.capture_hidden_states)
+                                      capture_hidden=t.capture_hidden_states or self.spot is not None)
             ref = None
             if self.reference is not None:
                 ref = compute_logprobs(self.reference, sequences, vocab_size=self.arch.vocab_size,
                                        micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id).token_logprobs
         # Kept for the drafter trainer: the post-final-norm features of this step's sequences.
         self.drafter_features = result.hidden_states
+        if self.spot is not None and result.hidden_states:
+            self.drafter_trainer.add_sequences([list(s) for s in sequences], result.hidden_states)
         return result.token_logprobs, ref
 
     def _update(self, samples: list[Sample], advantages: list[float], old, ref, timeline: RankTimeline) -> dict:
@@ -278,8 +306,15 @@ class RLTrainer:
         return {key: statistics.fmean(values) for key, values in metrics.items()}
 
     def _sync(self, timeline: RankTimeline) -> float:
+        keep = frozenset({_EMBEDDING, _LM_HEAD}) if self.spot is not None else frozenset()
         with timeline.phase("sync"):
-            stats = sync_policy_to_engine(self.model, self.arch, self.engine, padded_vocab_size=self.padded_vocab)
+            stats = sync_policy_to_engine(self.model, self.arch, self.engine, padded_vocab_size=self.padded_vocab,
+                                          keep=keep)
+            if self.spot is not None:  # the drafter drafts with the policy's current embedding and LM head
+                embedding = stats.kept[_EMBEDDING]
+                self.drafter_trainer.set_policy_heads(embedding, stats.kept.get(_LM_HEAD, embedding))
+            if self.engine.speculative is not None:  # the reload must not lose the drafter: push it after
+                self.engine.load_drafter(self.drafter_trainer.drafter.export_tensors())
         return stats.gb_per_s
 
     def train_step(self, step: int) -> dict:
@@ -288,6 +323,10 @@ class RLTrainer:
         step_start = time.time()
         examples = self.dataset.gather(next(self.sampler))
         mine, result = self._rollout(step, examples, timeline)
+        drafter_stats = None
+        if self.spot is not None:  # one drafter version for every engine: the token-weighted mean
+            drafter_stats = self.drafter_trainer.phase_stats()
+            self.drafter_trainer.average_replicas()
         own, samples = self._score_and_share(mine, result, timeline)
         advantages, dropped_groups = self._advantages(samples)
         sequences = [list(s.prompt_ids) + s.response_ids for s in samples]
@@ -302,6 +341,8 @@ class RLTrainer:
             "truncated": [s.finish_reason == "length" for s in own],
             "dropped_groups": dropped_groups if self.mp_rank == 0 else 0,
             "spec": result.spec if result is not None else None,
+            "drafter": drafter_stats,
+            "spot": self.spot_report,
             # counted once per replica: TP ranks hold the same features
             "hidden_tokens": sum(h.shape[0] for h in self.drafter_features)
             if self.drafter_features and mcore.stage_info().tp_rank == 0 else 0,
@@ -334,13 +375,16 @@ class RLTrainer:
             "sync_seconds": phase["sync"],
             "step_seconds": step_seconds,
             "rollout_busy_seconds": [t.seconds("rollout", BUSY) for t in timelines],
-            "rollout_idle_seconds": [t.seconds("rollout", IDLE) for t in timelines],
+            "rollout_idle_seconds": [rollout_idle_seconds(t) for t in timelines],
+            "rollout_training_seconds": [t.seconds("rollout", TRAINING) for t in timelines],
             "rollout_idle_share": shares,
             "rollout_idle_share_mean": statistics.fmean(shares),
             "sync_gb_per_s": sync_gb_s,
             "hidden_state_tokens_captured": sum(p["hidden_tokens"] for p in per_rank),
         }
         record.update({f"update/{k}": v for k, v in update.items()})
+        record.update(_speculation_record(per_rank))
+        record.update(_spot_record(per_rank, timelines))
         self._pending_timeline = [span for t in timelines for span in t.to_records(step)]
         return record
 
@@ -405,6 +449,38 @@ class RLTrainer:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _speculation_record(per_rank: list[dict]) -> dict:
+    stats = [p["spec"] for p in per_rank if p["spec"] is not None]
+    drafts = sum(s.num_drafts for s in stats)
+    if drafts == 0:
+        return {}
+    accepted = sum(s.num_accepted_tokens for s in stats)
+    return {"spec/mean_acceptance_length": 1.0 + accepted / drafts,
+            "spec/acceptance_rate": accepted / max(1, sum(s.num_draft_tokens for s in stats))}
+
+
+def _spot_record(per_rank: list[dict], timelines: list[RankTimeline]) -> dict:
+    reports = [p["spot"] for p in per_rank]
+    if any(r is None for r in reports):
+        return {}
+    slowest_done = max(max(s.end for s in t.spans if s.phase == "rollout" and s.state == BUSY) for t in timelines)
+    stats = [p["drafter"] for p in per_rank]
+    trained = [s["tokens"] for s in stats]
+    losses = [(s["loss"], s["tokens"]) for s in stats if s["tokens"] > 0]
+    agreements = [(s["top1_agreement"], s["tokens"]) for s in stats if s["tokens"] > 0]
+    weighted = (lambda pairs: sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else float("nan"))
+    return {
+        "drafter/tokens_trained": trained,
+        "drafter/loss": weighted(losses),
+        "drafter/top1_agreement": weighted(agreements),
+        "drafter/training_seconds": [r.training_seconds for r in reports],
+        "drafter/micro_steps": [r.micro_steps for r in reports],
+        # from the slowest rank finishing its share to this rank leaving rollout: the preemption latency
+        "drafter/release_latency_seconds": [r.released_at - slowest_done for r in reports],
+        "drafter/failed": any(r.failed for r in reports),
+    }
 
 
 def train_on_rank(config: TLTConfig, run_dir: str, resume: bool) -> list[dict] | None:

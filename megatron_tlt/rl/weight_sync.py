@@ -34,6 +34,8 @@ class SyncStats:
     num_bytes: int
     seconds: float
     num_buckets: int
+    kept: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Copies of the tensors the caller asked to keep, by HF name."""
 
     @property
     def gb_per_s(self) -> float:
@@ -124,18 +126,23 @@ def iter_hf_tensors(model: torch.nn.Module, arch: PolicyArchitecture, *, padded_
 
 
 def sync_policy_to_engine(model: torch.nn.Module, arch: PolicyArchitecture, engine, *, padded_vocab_size: int,
-                          bucket_bytes: int = DEFAULT_BUCKET_BYTES, probe_prompts=None) -> SyncStats:
+                          bucket_bytes: int = DEFAULT_BUCKET_BYTES, probe_prompts=None,
+                          keep: frozenset[str] = frozenset()) -> SyncStats:
     """Stream the current policy into this rank's engine (collective over all ranks).
 
     With ``probe_prompts`` and speculation on, a short greedy probe follows the sync so that a
-    drafter silently lost in the reload raises the engine's acceptance alarm at once.
+    drafter silently lost in the reload raises the engine's acceptance alarm at once. Copies of the
+    HF tensors named in ``keep`` (e.g. the embedding the drafter needs) are returned in ``SyncStats.kept``.
     """
     buckets = _plan_buckets(arch, mcore.stage_info().pp_size, padded_vocab_size, _element_size(model), bucket_bytes)
     moved = {"bytes": 0}
+    kept: dict[str, torch.Tensor] = {}
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in _iter_buckets(model, arch, padded_vocab_size, buckets):
             moved["bytes"] += tensor.numel() * tensor.element_size()
+            if name in keep:
+                kept[name] = tensor.detach().clone()
             yield name, tensor
 
     started = time.perf_counter()
@@ -143,4 +150,4 @@ def sync_policy_to_engine(model: torch.nn.Module, arch: PolicyArchitecture, engi
     seconds = time.perf_counter() - started
     if probe_prompts and engine.speculative is not None:
         engine.probe_acceptance(probe_prompts)
-    return SyncStats(num_bytes=moved["bytes"], seconds=seconds, num_buckets=len(buckets))
+    return SyncStats(num_bytes=moved["bytes"], seconds=seconds, num_buckets=len(buckets), kept=kept)

@@ -135,3 +135,31 @@ def test_trainer_on_an_hf_policy_with_a_verl_style_jsonl_and_bad_rows(env, tmp_p
     assert "kept 8 of 10 rows" in result.stderr and "invalid_json 1" in result.stderr
     (record,) = _summary(run_dir)
     assert record["num_samples"] == 8 and record["response_length_max"] <= 16
+
+
+def test_spot_training_uses_idle_time_and_leaves_the_policy_results_unchanged(env, uninterrupted, tmp_path):
+    """Speculation off in both runs: with the spot trainer on, rollouts and updates are identical."""
+    run_dir = tmp_path / "spot"
+    _train(env, *SMALL, "trainer.steps=4", "drafter.spot_training=true", "drafter.pack_tokens=256",
+           f"trainer.run_dir={run_dir}")
+    plain, spot = _summary(uninterrupted), _summary(run_dir)
+    assert [r["reward_mean"] for r in spot] == [r["reward_mean"] for r in plain]
+    assert [r["response_length_mean"] for r in spot] == [r["response_length_mean"] for r in plain]
+    for a, b in zip(spot, plain):
+        assert abs(a["update/pg_loss"] - b["update/pg_loss"]) < 1e-6
+    trained = [sum(r["drafter/tokens_trained"]) for r in spot]
+    assert trained[0] == 0 and sum(trained[1:]) > 0  # features exist from the first log-prob pass on
+    assert all(r["drafter/failed"] is False for r in spot)
+    for record in spot[1:]:
+        assert max(record["drafter/release_latency_seconds"]) < 0.5  # within a 256-row micro-step and then some
+    spans = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    assert ("rollout", "TRAINING") in {(s["phase"], s["state"]) for s in spans}
+
+
+def test_speculative_rollouts_report_acceptance_and_get_the_trained_drafter(env, tmp_path):
+    run_dir = tmp_path / "speculative"
+    _train(env, *SMALL, "trainer.steps=3", "drafter.spot_training=true", "drafter.speculative_tokens=2",
+           "drafter.pack_tokens=256", f"trainer.run_dir={run_dir}")
+    records = _summary(run_dir)
+    assert all(1.0 <= r["spec/mean_acceptance_length"] <= 3.0 for r in records)
+    assert sum(sum(r["drafter/tokens_trained"]) for r in records) > 0
