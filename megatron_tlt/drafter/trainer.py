@@ -42,6 +42,7 @@ class DrafterTrainer:
         self._embedding_vh: torch.Tensor | None = None
         self._lm_head_vh: torch.Tensor | None = None
         self._packs: list[DrafterPack] = []
+        self._packs_stale = False
         self._next_pack = 0
         self.reset_phase_stats()
 
@@ -52,16 +53,23 @@ class DrafterTrainer:
         self._embedding_vh, self._lm_head_vh = embedding_vh.detach(), lm_head_vh.detach()
 
     def add_sequences(self, token_ids: list[list[int]], features: list[torch.Tensor]) -> None:
-        """This step's sequences and their post-final-norm features; the packs are rebuilt from the buffer."""
+        """This step's sequences and their post-final-norm features. Called on the critical path (the
+        log-prob pass), so it only stores them: packing waits for the first micro-step, in idle time."""
         self.buffer.extend(token_ids, features)
+        self._packs_stale = True
+
+    def _repack(self) -> None:
         # Newest first: the freshest policy's features are trained on before older ones.
         self._packs = pack_sequences(reversed(self.buffer.sequences()), self.settings.pack_tokens)
         self._next_pack = 0
+        self._packs_stale = False
 
     # -------------------------------------------------------------- one micro-step
 
     def micro_step(self) -> int:
         """Train on the next pack (cycling); returns its tokens, 0 when there is nothing to train on."""
+        if self._packs_stale:
+            self._repack()
         if not self._packs or self._embedding_vh is None:
             return 0
         pack = self._packs[self._next_pack % len(self._packs)]
@@ -101,7 +109,7 @@ class DrafterTrainer:
         dist.all_reduce(total, group=group)
         if total.item() == 0:
             return 0
-        flat = torch.cat([p.detach().double().reshape(-1) for p in self.drafter.parameters()]) * weight
+        flat = torch.cat([p.detach().float().reshape(-1) for p in self.drafter.parameters()]) * weight
         dist.all_reduce(flat, group=group)
         flat /= total.item()
         offset = 0
