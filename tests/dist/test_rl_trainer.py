@@ -163,3 +163,18 @@ def test_speculative_rollouts_report_acceptance_and_get_the_trained_drafter(env,
     records = _summary(run_dir)
     assert all(1.0 <= r["spec/mean_acceptance_length"] <= 3.0 for r in records)
     assert sum(sum(r["drafter/tokens_trained"]) for r in records) > 0
+
+
+def test_a_failure_inside_drafter_training_is_logged_and_the_rl_run_completes_unchanged(env, uninterrupted, tmp_path):
+    run_dir = tmp_path / "drafter-fault"
+    faulty = dict(env, TLT_TEST_DRAFTER_FAULT_AT="2", PYTHONPATH=os.pathsep.join(
+        [str(HELPERS / "drafter_fault"), env["PYTHONPATH"]]))
+    result = _train(faulty, *SMALL, "trainer.steps=4", "drafter.spot_training=true", "drafter.pack_tokens=256",
+                    f"trainer.run_dir={run_dir}")
+    assert "injected drafter training failure" in result.stderr and "drafter training failed" in result.stderr
+    records = _summary(run_dir)
+    assert any(r["drafter/failed"] for r in records)
+    plain = _summary(uninterrupted)
+    assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in plain]
+    for a, b in zip(records, plain):
+        assert abs(a["update/pg_loss"] - b["update/pg_loss"]) < 1e-6
