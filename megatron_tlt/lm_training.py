@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
 from megatron_tlt import mcore
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,17 @@ def _forward_step(data_iterator, model, *, vocab_size: int):
         return loss_sum, num_tokens, {"lm_loss": mean}
 
     return output, loss_fn
+
+
+def length_sorted_chunks(items: Sequence[T], length: Callable[[T], int], micro_batch_size: int, *,
+                         same_width: bool) -> list[tuple[list[T], int]]:
+    """``items`` sorted by ``length`` and cut into micro-batches of ``micro_batch_size``, each with the
+    width to pad it to: its own longest item (little padding), or the longest overall when
+    ``same_width`` (pipeline stages need one shape)."""
+    ordered = sorted(items, key=length)
+    chunks = [ordered[i : i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size)]
+    longest = max((length(item) for item in ordered), default=0)
+    return [(chunk, longest if same_width else max(length(item) for item in chunk)) for chunk in chunks]
 
 
 def check_microbatch_shapes(shapes: list[tuple[int, ...]]) -> None:

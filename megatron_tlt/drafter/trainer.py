@@ -15,6 +15,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from megatron_tlt.drafter.buffer import HiddenStateBuffer
 from megatron_tlt.drafter.loss import drafter_loss
@@ -109,11 +110,7 @@ class DrafterTrainer:
         dist.all_reduce(total, group=group)
         if total.item() == 0:
             return 0
-        flat = torch.cat([p.detach().float().reshape(-1) for p in self.drafter.parameters()]) * weight
+        flat = parameters_to_vector(self.drafter.parameters()).float() * weight
         dist.all_reduce(flat, group=group)
-        flat /= total.item()
-        offset = 0
-        for p in self.drafter.parameters():
-            p.copy_(flat[offset : offset + p.numel()].view_as(p).to(p.dtype))
-            offset += p.numel()
+        vector_to_parameters((flat / total.item()).to(self.drafter.dtype), self.drafter.parameters())
         return int(total.item())

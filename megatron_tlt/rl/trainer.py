@@ -273,21 +273,22 @@ class RLTrainer:
         # Kept for the drafter trainer: the post-final-norm features of this step's sequences.
         self.drafter_features = result.hidden_states
         if self.spot is not None and result.hidden_states:
-            self.drafter_trainer.add_sequences([list(s) for s in sequences], result.hidden_states)
+            self.drafter_trainer.add_sequences(sequences, result.hidden_states)
         return result.token_logprobs, ref
 
-    def _update(self, samples: list[Sample], advantages: list[float], old, ref, timeline: RankTimeline) -> dict:
+    def _update(self, samples: list[Sample], token_ids: list[list[int]], advantages: list[float], old, ref,
+                timeline: RankTimeline) -> dict:
         a, t = self.config.algorithm, self.config.trainer
         settings = LossSettings(clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.loss_aggregation,
                                 kl_coef=a.kl_coef)
         sequences = []
-        for i, (sample, advantage) in enumerate(zip(samples, advantages)):
+        for i, (sample, ids, advantage) in enumerate(zip(samples, token_ids, advantages)):
             if advantage != advantage:  # NaN: its group was filtered out
                 continue
-            length = len(sample.prompt_ids) + len(sample.response_ids)
+            length = len(ids)
             # Only the last pipeline stage computes the loss; earlier stages carry placeholders.
             sequences.append((i, PolicySequence(
-                token_ids=list(sample.prompt_ids) + sample.response_ids, prompt_len=len(sample.prompt_ids),
+                token_ids=ids, prompt_len=len(sample.prompt_ids),
                 old_logprobs=old[i] if old else torch.zeros(length - 1), advantage=advantage,
                 ref_logprobs=(ref[i] if ref else torch.zeros(length - 1)) if self.reference is not None else None)))
         metrics: dict[str, list[float]] = {}
@@ -331,7 +332,7 @@ class RLTrainer:
         advantages, dropped_groups = self._advantages(samples)
         sequences = [list(s.prompt_ids) + s.response_ids for s in samples]
         old, ref = self._logprob_pass(sequences, timeline)
-        update_metrics = self._update(samples, advantages, old, ref, timeline)
+        update_metrics = self._update(samples, sequences, advantages, old, ref, timeline)
         sync_gb_s = self._sync(timeline)
         per_rank = {
             "timeline": timeline,

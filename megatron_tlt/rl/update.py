@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tlt import mcore
-from megatron_tlt.lm_training import check_microbatch_shapes
+from megatron_tlt.lm_training import check_microbatch_shapes, length_sorted_chunks
 from megatron_tlt.rl import losses
 
 # Diagnostics summed per token, then divided by the token count of the whole mini-batch.
@@ -83,10 +83,8 @@ def make_microbatch(sequences: Sequence[PolicySequence], pad_id: int, width: int
 def make_microbatches(sequences: Sequence[PolicySequence], micro_batch_size: int, pad_id: int, *,
                       same_width: bool) -> list[PolicyMicroBatch]:
     """Length-sorted micro-batches (little padding); ``same_width`` pads all to one length (PP > 1)."""
-    ordered = sorted(sequences, key=lambda s: len(s.token_ids))
-    width = max(len(s.token_ids) for s in ordered) if same_width else None
-    return [make_microbatch(ordered[i : i + micro_batch_size], pad_id, width)
-            for i in range(0, len(ordered), micro_batch_size)]
+    return [make_microbatch(chunk, pad_id, width) for chunk, width in
+            length_sorted_chunks(sequences, lambda s: len(s.token_ids), micro_batch_size, same_width=same_width)]
 
 
 def _forward_step(data_iterator, model, *, vocab_size: int, settings: LossSettings):

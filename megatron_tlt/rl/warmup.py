@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_tlt import mcore
-from megatron_tlt.lm_training import LMMicroBatch, lm_train_step
+from megatron_tlt.lm_training import LMMicroBatch, length_sorted_chunks, lm_train_step
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +35,9 @@ def length_sorted_microbatches(sequences: Sequence[tuple[list[int], int]], micro
                                *, same_length: bool) -> list[LMMicroBatch]:
     """Micro-batches of (ids, prompt length) pairs, sorted by length so padding stays small; the loss
     mask covers the tokens after the prompt. ``same_length`` pads all to one length (PP > 1)."""
-    ordered = sorted(sequences, key=lambda pair: len(pair[0]))
-    chunks = [ordered[i : i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size)]
-    longest = max(len(ids) for ids, _ in ordered)
     batches = []
-    for chunk in chunks:
-        width = longest if same_length else max(len(ids) for ids, _ in chunk)
+    for chunk, width in length_sorted_chunks(sequences, lambda pair: len(pair[0]), micro_batch_size,
+                                             same_width=same_length):
         tokens = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
         for row, (ids, prompt_len) in enumerate(chunk):
