@@ -1,0 +1,148 @@
+"""Drafter checkpoints of an RL run, written asynchronously and atomically, and read back on resume.
+
+    run_dir/drafter/step_000010/             the (averaged) drafter after step 10: a servable EAGLE dir
+    run_dir/drafter/adam/step_000010_rank0of2.pt   each rank's own Adam moments (not averaged)
+
+Saving costs the critical path only a CPU snapshot of one decoder layer and its Adam state; a background
+thread writes it (rank 0 the weights, every rank its Adam file). Weights go to a staging directory that
+is renamed when complete, an Adam file to a temporary name that is renamed, so a run killed mid-write
+leaves no partial checkpoint under a final name. One write is in flight at a time: a save waits for the
+previous one. A failed write is logged and the run goes on (the previous checkpoint stays).
+
+Not saved: the feature buffer. A resumed run trains the drafter again from its next log-prob pass.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_tlt.drafter import store
+from megatron_tlt.model_config import PolicyArchitecture
+
+logger = logging.getLogger(__name__)
+
+DRAFTER_DIR = "drafter"
+ADAM_SUBDIR = "adam"
+_STEP_DIR = re.compile(r"step_(\d{6})$")
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _adam_file(run_dir: Path, step: int, rank: int, world: int) -> Path:
+    return run_dir / DRAFTER_DIR / ADAM_SUBDIR / f"{_step_name(step)}_rank{rank}of{world}.pt"
+
+
+def list_drafter_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete drafter checkpoints of a run as (step, directory), oldest first."""
+    root = Path(run_dir) / DRAFTER_DIR
+    found = []
+    for path in root.glob("step_*") if root.is_dir() else []:
+        match = _STEP_DIR.match(path.name)
+        if match and (path / store.INFO_FILE).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def drafter_checkpoint_for(run_dir: Path, step: int) -> tuple[int, Path] | None:
+    """The drafter checkpoint to resume step ``step`` with: the newest one not after it."""
+    usable = [(s, p) for s, p in list_drafter_checkpoints(run_dir) if s <= step]
+    return usable[-1] if usable else None
+
+
+def _snapshot(value):
+    """A CPU copy of every tensor in a (nested) optimizer state, so training may go on meanwhile."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    return value
+
+
+class AsyncDrafterCheckpointer:
+    def __init__(self, run_dir: Path, arch: PolicyArchitecture, *, rank: int, world: int, keep: int):
+        self.run_dir, self.arch = Path(run_dir), arch
+        self.rank, self.world, self.keep = rank, world, keep
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-ckpt")
+        self._pending: concurrent.futures.Future | None = None
+        self.last_snapshot_seconds = 0.0
+        self.last_write_seconds = 0.0
+
+    def save(self, step: int, drafter, optimizer: torch.optim.Optimizer, info: dict) -> None:
+        """Snapshot now, write in the background. ``drafter`` must already be the averaged version."""
+        self.wait()
+        start = time.perf_counter()
+        tensors = drafter.export_tensors() if self.rank == 0 else None
+        adam = _snapshot(optimizer.state_dict())
+        self.last_snapshot_seconds = time.perf_counter() - start
+        self._pending = self._writer.submit(self._write, step, tensors, adam, dict(info, step=step))
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def close(self) -> None:
+        self.wait()
+        self._writer.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ the background thread
+
+    def _write(self, step: int, tensors: dict | None, adam: dict, info: dict) -> None:
+        start = time.perf_counter()
+        try:
+            adam_path = _adam_file(self.run_dir, step, self.rank, self.world)
+            adam_path.parent.mkdir(parents=True, exist_ok=True)
+            partial = adam_path.with_name(adam_path.name + ".partial")
+            torch.save(adam, partial)
+            os.replace(partial, adam_path)
+            if tensors is not None:
+                self._write_weights(step, tensors, info)
+            self._prune()
+            self.last_write_seconds = time.perf_counter() - start
+            logger.info("drafter checkpoint of step %d written in %.3f s in the background (snapshot on the "
+                        "critical path: %.1f ms)", step, self.last_write_seconds, 1000 * self.last_snapshot_seconds)
+        except Exception:
+            logger.exception("drafter checkpoint of step %d was not written (the run goes on; the previous "
+                             "drafter checkpoint is kept)", step)
+
+    def _write_weights(self, step: int, tensors: dict, info: dict) -> None:
+        final = self.run_dir / DRAFTER_DIR / _step_name(step)
+        staging = final.with_name(f".{final.name}.partial")
+        shutil.rmtree(staging, ignore_errors=True)  # left by a run killed mid-write
+        staging.mkdir(parents=True)
+        store.write_drafter_files(staging, self.arch, tensors, info)
+        if final.exists():  # a resumed run saving the same step again
+            shutil.rmtree(final)
+        os.replace(staging, final)
+
+    def _prune(self) -> None:
+        if self.keep <= 0:
+            return
+        mine = sorted((self.run_dir / DRAFTER_DIR / ADAM_SUBDIR).glob(f"step_*_rank{self.rank}of{self.world}.pt"))
+        for old in mine[:-self.keep]:
+            old.unlink(missing_ok=True)
+        if self.rank == 0:
+            for _, old in list_drafter_checkpoints(self.run_dir)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def load_adam_state(run_dir: Path, step: int, optimizer: torch.optim.Optimizer, *, rank: int, world: int) -> bool:
+    """This rank's Adam moments saved with the drafter of ``step``; False (fresh Adam) if there are none."""
+    path = _adam_file(Path(run_dir), step, rank, world)
+    if not path.is_file():
+        return False
+    optimizer.load_state_dict(torch.load(path, weights_only=False))
+    return True
