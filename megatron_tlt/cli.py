@@ -1,6 +1,7 @@
 """The ``tlt`` command: the only argv parser in megatron-tlt.
 
   tlt train [--config NAME|PATH] [--resume RUN_DIR] [key=value ...]   RL training (default: the tiny task)
+  tlt warmup-drafter --out DIR [--config NAME|PATH] [--policy RUN|CKPT] [key=value ...]   drafter cold start
   tlt convert hf-to-mcore --hf DIR --out DIR --tp N --pp M [--dtype float32|bfloat16|float16]
   tlt convert mcore-to-hf --ckpt DIR --out DIR
 
@@ -36,6 +37,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_warmup_drafter(args: argparse.Namespace) -> int:
+    from megatron_tlt.drafter.cold_start import ColdStartSettings
+    from megatron_tlt.rl.run import start_drafter_warmup
+
+    settings = ColdStartSettings(prompts=args.prompts, eval_prompts=args.eval_prompts, epochs=args.epochs,
+                                 draft_tokens=args.draft_tokens)
+    figures = start_drafter_warmup(args.config, args.overrides, policy=args.policy, out_dir=args.out,
+                                   settings=settings)
+    print(f"tlt warmup-drafter: trained on {figures['tokens_trained']} tokens from {figures['train_prompts']} "
+          f"responses of the policy, {figures['epochs']} epochs")
+    print(f"held-out ({figures['eval_prompts']} prompts) before -> after: top-1 agreement "
+          f"{figures['held_out_top1_agreement_before']:.3f} -> {figures['held_out_top1_agreement_after']:.3f}, "
+          f"mean acceptance length at depth {figures['draft_tokens']} "
+          f"{figures['mean_acceptance_length_before']:.3f} -> {figures['mean_acceptance_length_after']:.3f}")
+    print(f"wrote the drafter to {args.out} (start a run from it with drafter.init_dir={args.out})")
+    return 0
+
+
 def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
     from checkpoints_tools.hf_to_mcore import convert_hf_to_mcore
 
@@ -63,6 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue the run in RUN_DIR from its latest checkpoint (its config.yaml is used)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.steps=5")
     train.set_defaults(func=_cmd_train)
+
+    warm = commands.add_parser("warmup-drafter", help="train a drafter offline on the policy's own responses")
+    warm.add_argument("--out", required=True, help="new output directory (an EAGLE drafter)")
+    warm.add_argument("--config", default="tiny", help="config name under launch/configs or a YAML path")
+    warm.add_argument("--policy", default=None, metavar="RUN|CKPT",
+                      help="policy to distil: a run directory (its latest checkpoint) or a checkpoint "
+                           "(default: the config's initial policy)")
+    warm.add_argument("--prompts", type=int, default=1024, help="training prompts (one response each)")
+    warm.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts for the before/after figures")
+    warm.add_argument("--epochs", type=int, default=3)
+    warm.add_argument("--draft-tokens", type=int, default=2, help="draft depth of the acceptance measurement")
+    warm.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. drafter.lr=3e-3")
+    warm.set_defaults(func=_cmd_warmup_drafter)
 
     convert = commands.add_parser("convert", help="convert checkpoints between HF and Megatron")
     directions = convert.add_subparsers(dest="direction", required=True)

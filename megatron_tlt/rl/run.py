@@ -1,5 +1,6 @@
 """Start or resume an RL run from the command line: resolve the config and run directory, make the
-cached artifacts the ranks share, then launch the ranks (``tlt train`` calls ``start_run``).
+cached artifacts the ranks share, then launch the ranks (``tlt train`` calls ``start_run``;
+``tlt warmup-drafter`` calls ``start_drafter_warmup``).
 
 Kept free of Megatron and vLLM imports: the parent process only prepares and launches.
 """
@@ -67,3 +68,31 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
                            isolated=True)
     return run_dir, results[0]
 
+
+
+def _warm_up_drafter_on_rank(config, policy_dir, out_dir: str, settings):
+    from megatron_tlt.drafter.cold_start import warm_up_drafter_on_rank  # imported in the rank
+
+    return warm_up_drafter_on_rank(config, policy_dir, out_dir, settings)
+
+
+def start_drafter_warmup(config_name: str | None, overrides: list[str], *, policy: str | None, out_dir: str,
+                         settings) -> dict:
+    """Warm a drafter up offline (``drafter/cold_start.py``); returns its before/after figures."""
+    from megatron_tlt.drafter.cold_start import resolve_policy_dir
+    from megatron_tlt.hf_io import check_output_dir
+    from megatron_tlt.launcher import run_on_ranks
+
+    config = load_config(config_name, overrides)
+    if config.parallel.pipeline_parallel_size != 1:
+        raise ValueError("tlt warmup-drafter needs parallel.pipeline_parallel_size 1: the drafter's features "
+                         "live on the last pipeline stage only")
+    if min(settings.prompts, settings.eval_prompts, settings.epochs, settings.draft_tokens) < 1:
+        raise ValueError("--prompts, --eval-prompts, --epochs and --draft-tokens must be >= 1")
+    check_output_dir(out_dir)
+    policy_dir = str(resolve_policy_dir(policy)) if policy is not None else None
+    _check_layout(config)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    results = run_on_ranks(_warm_up_drafter_on_rank, world_size(config), config, policy_dir, out_dir, settings,
+                           isolated=True)
+    return results[0]

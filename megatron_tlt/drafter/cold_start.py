@@ -1,0 +1,212 @@
+"""Offline drafter warm-up (``tlt warmup-drafter``): a drafter trained before RL, so runs need not start
+from a random one.
+
+On every rank, the same way the RL loop feeds its drafter:
+  1. the policy (a checkpoint, or the run's initial policy) answers prompts of the dataset in its vLLM
+     engine (self-distillation: the drafter learns the policy's own continuations, as it will see them);
+  2. the log-prob pass captures the policy's features of those sequences;
+  3. the drafter trains on them for a number of epochs, replicas averaged after each (token-weighted);
+  4. held-out prompts measure it before and after: top-1 agreement with the policy, and the mean
+     acceptance length of the engine speculating with it.
+Rank 0 writes the drafter as an EAGLE directory (``drafter/store.py``) that ``drafter.init_dir`` starts
+an RL run from and vLLM serves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megatron_tlt import mcore, policy
+from megatron_tlt.config import TLTConfig
+from megatron_tlt.drafter import store
+from megatron_tlt.drafter.precision import resolve_precision
+from megatron_tlt.drafter.trainer import DrafterTrainer, DrafterTrainingSettings
+from megatron_tlt.hf_io import CheckpointError, atomic_output_dir
+from megatron_tlt.rl import checkpoint, policy_source
+from megatron_tlt.rl.actor import compute_logprobs
+from megatron_tlt.rl.data import PromptExample
+from megatron_tlt.rl.task import Task, engine_config_for, load_task
+from megatron_tlt.rl.weight_sync import sync_policy_to_engine
+from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings, SpeculativeSettings
+from megatron_tlt.spec.metrics import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
+
+_EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ColdStartSettings:
+    prompts: int = 1024
+    """Training prompts (one response each), over all data-parallel ranks."""
+    eval_prompts: int = 128
+    epochs: int = 3
+    draft_tokens: int = 2
+    """Draft depth of the acceptance measurement."""
+
+
+def resolve_policy_dir(path: str | Path) -> Path:
+    """A policy checkpoint directory from a run directory (its latest checkpoint), a checkpoint
+    (``checkpoints/step_N``) or a policy checkpoint itself."""
+    path = Path(path)
+    if (path / policy.META_FILE).is_file():
+        return path
+    if (path / checkpoint.TRAINER_META).is_file():
+        return path / checkpoint.POLICY_SUBDIR
+    latest = checkpoint.latest_checkpoint(path)
+    if latest is not None:
+        return latest / checkpoint.POLICY_SUBDIR
+    raise CheckpointError(f"{path}: not a run directory, a checkpoint or a policy checkpoint")
+
+
+def _split_prompts(task: Task, settings: ColdStartSettings) -> tuple[list[PromptExample], list[PromptExample]]:
+    """Training prompts from the dataset; held-out prompts from the task's own, else the dataset's tail."""
+    examples = list(task.dataset.examples)
+    if task.held_out:
+        held_out = list(task.held_out[: settings.eval_prompts])
+    else:
+        held_out, examples = examples[-settings.eval_prompts:], examples[: -settings.eval_prompts]
+    if len(examples) < settings.prompts:
+        logger.warning("the dataset has %d prompts to train on, fewer than the %d asked for", len(examples),
+                       settings.prompts)
+    if not examples or not held_out:
+        raise ValueError(f"the dataset's {len(task.dataset.examples)} prompts leave none to train on or to "
+                         "evaluate with; lower --eval-prompts")
+    return examples[: settings.prompts], held_out
+
+
+class _Session:
+    """One rank's policy, engine and drafter trainer for the warm-up."""
+
+    def __init__(self, config: TLTConfig, task: Task, source: Path | None, settings: ColdStartSettings, workdir: Path):
+        self.config, self.task, self.settings = config, task, settings
+        self.rank = dist.get_rank()
+        self.mp_group = mcore.model_parallel_group()
+        self.mp_rank, self.mp_size = dist.get_rank(self.mp_group), dist.get_world_size(self.mp_group)
+        self.dp_rank, self.dp_size = mcore.data_parallel_rank(), mcore.data_parallel_size()
+        self.model = policy_source.load_policy(config, task.arch, source)
+        d = config.drafter
+        self.trainer = DrafterTrainer(task.arch, DrafterTrainingSettings(
+            lr=d.lr, buffer_tokens=1 << 62, pack_tokens=d.pack_tokens, hidden_weight=d.hidden_weight,
+            ce_weight=d.ce_weight, seed=config.trainer.seed,
+            precision=resolve_precision(d.precision)))
+        if d.init_dir is not None:
+            self.trainer.drafter.load_tensors(store.read_drafter_tensors(d.init_dir, task.arch))
+        self.engine = RolloutEngine(task.arch, engine_config_for(config, task), workdir=workdir, rank=self.rank,
+                                    speculative=SpeculativeSettings(num_speculative_tokens=settings.draft_tokens),
+                                    drafter=self.trainer.drafter.export_tensors())
+        stats = sync_policy_to_engine(self.model, task.arch, self.engine, keep=frozenset({_EMBEDDING, _LM_HEAD}),
+                                      padded_vocab_size=task.arch.padded_vocab_size(mcore.stage_info().tp_size))
+        embedding = stats.kept[_EMBEDDING]
+        self.trainer.set_policy_heads(embedding, stats.kept.get(_LM_HEAD, embedding))
+        self.engine.load_drafter(self.trainer.drafter.export_tensors())  # the policy reload replaced it
+
+    def generate_with_features(self, prompts: list[PromptExample], seed: int):
+        """This DP rank's share of ``prompts`` answered by the policy (shared out over its model-parallel
+        ranks), the sequences' features, and the engine's speculation counts (summed over all ranks)."""
+        mine = prompts[self.dp_rank :: self.dp_size]
+        own = mine[self.mp_rank :: self.mp_size]
+        r = self.config.rollout
+        spec = SpecDecodeStats()
+        sequences = []
+        if own:
+            result = self.engine.generate([e.prompt_ids for e in own], SamplingSettings(
+                n=1, temperature=r.temperature, top_p=r.top_p if r.temperature > 0 else 1.0,
+                max_tokens=r.max_response_tokens, stop_token_ids=[self.task.tokenizer.eos_id], seed=seed + self.rank))
+            spec = result.spec
+            sequences = [list(e.prompt_ids) + responses[0] for e, responses in zip(own, result.token_ids)]
+        gathered = [None] * self.mp_size
+        dist.all_gather_object(gathered, sequences, group=self.mp_group)
+        sequences = [s for part in gathered for s in part]
+        features = compute_logprobs(self.model, sequences, vocab_size=self.task.arch.vocab_size,
+                                    micro_batch_size=self.config.trainer.micro_batch_size,
+                                    pad_id=self.task.tokenizer.pad_id, capture_hidden=True).hidden_states or []
+        counts = torch.tensor([spec.num_drafts, spec.num_accepted_tokens], dtype=torch.float64)
+        dist.all_reduce(counts)
+        acceptance = 1.0 + counts[1].item() / counts[0].item() if counts[0] > 0 else float("nan")
+        return sequences, features, acceptance
+
+    def evaluate(self, sequences, features) -> dict[str, float]:
+        """Drafter loss and top-1 agreement over every rank's held-out sequences (TP replicas count once)."""
+        sums = self.trainer.evaluate(sequences, features) if sequences else {"loss_sum": 0.0, "top1_sum": 0.0,
+                                                                             "tokens": 0.0}
+        if mcore.stage_info().tp_rank != 0:
+            sums = dict.fromkeys(sums, 0.0)
+        totals = torch.tensor([sums["loss_sum"], sums["top1_sum"], sums["tokens"]], dtype=torch.float64)
+        dist.all_reduce(totals)
+        return {"loss": totals[0].item() / totals[2].item(), "top1_agreement": totals[1].item() / totals[2].item()}
+
+    def train(self, show_progress: bool) -> int:
+        """``epochs`` passes over the buffer, replicas averaged after each; returns tokens trained (all ranks)."""
+        packs = torch.tensor([self.trainer.packs_in_buffer()])
+        dist.all_reduce(packs, op=dist.ReduceOp.MAX)  # equal micro-step counts keep the ranks in step
+        total = 0
+        bar = tqdm(total=self.settings.epochs * int(packs), desc="drafter warm-up", unit="micro-step",
+                   disable=not show_progress)
+        for epoch in range(self.settings.epochs):
+            self.trainer.reset_phase_stats()
+            for _ in range(int(packs)):
+                self.trainer.micro_step()
+                bar.update()
+            loss = self.trainer.phase_stats()["loss"]
+            total += self.trainer.average_replicas()
+            bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}")
+        bar.close()
+        return total
+
+
+def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: str,
+                            settings: ColdStartSettings) -> dict | None:
+    """Entry point of every rank; rank 0 writes ``out_dir`` and returns the before/after figures."""
+    from megatron_tlt.parallel import ParallelLayout
+
+    layout = ParallelLayout(tensor_parallel_size=config.parallel.tensor_parallel_size,
+                            pipeline_parallel_size=config.parallel.pipeline_parallel_size,
+                            seed=config.trainer.seed).initialize()
+    session = None
+    workdir = tempfile.mkdtemp(prefix="tlt-warmup-drafter-")  # the engine's model directory
+    try:
+        task = load_task(config)
+        stage = mcore.stage_info()
+        task.arch.validate_layout(tensor_parallel_size=stage.tp_size, pipeline_parallel_size=stage.pp_size)
+        is_reporter = dist.get_rank() == 0
+        source = (Path(policy_dir) if policy_dir is not None
+                  else policy_source.initial_policy_dir(config, task.tokenizer, task.arch, show_progress=is_reporter))
+        train_prompts, eval_prompts = _split_prompts(task, settings)
+        session = _Session(config, task, source, settings, Path(workdir))
+        seed = config.trainer.seed
+        eval_seqs, eval_feats, acceptance_before = session.generate_with_features(eval_prompts, seed)
+        before = session.evaluate(eval_seqs, eval_feats)
+        train_seqs, train_feats, _ = session.generate_with_features(train_prompts, seed + 1)
+        session.trainer.add_sequences(train_seqs, train_feats)
+        tokens = session.train(show_progress=is_reporter)
+        after = session.evaluate(eval_seqs, eval_feats)
+        session.engine.load_drafter(session.trainer.drafter.export_tensors())
+        _, _, acceptance_after = session.generate_with_features(eval_prompts, seed)
+        figures = {
+            "tokens_trained": tokens, "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
+            "epochs": settings.epochs, "draft_tokens": settings.draft_tokens,
+            "held_out_top1_agreement_before": before["top1_agreement"],
+            "held_out_top1_agreement_after": after["top1_agreement"],
+            "held_out_loss_before": before["loss"], "held_out_loss_after": after["loss"],
+            "mean_acceptance_length_before": acceptance_before, "mean_acceptance_length_after": acceptance_after,
+        }
+        if not is_reporter:
+            return None
+        info = dict(figures, step=0, policy=str(source or config.model.hf_dir), made_by="tlt warmup-drafter")
+        with atomic_output_dir(out_dir) as staging:
+            store.write_drafter_files(staging, task.arch, session.trainer.drafter.export_tensors(), info)
+        return figures
+    finally:
+        if session is not None:
+            session.engine.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+        layout.close()
