@@ -55,7 +55,9 @@ class ParallelLayout:
         if not dist.is_initialized():
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            # On GPU the default group also gets gloo for CPU tensors: the RL loop's small counters,
+            # object gathers and the spot trainer's barrier stay off the GPU; model tensors use NCCL.
+            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             timeout = datetime.timedelta(minutes=10)
             if "RANK" in os.environ:  # launched by torchrun / elastic launch
                 dist.init_process_group(backend=backend, timeout=timeout)

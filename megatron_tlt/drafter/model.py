@@ -20,10 +20,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from megatron_tlt.model_config import PolicyArchitecture
-from megatron_tlt.spec.eagle import eagle_drafter_config, validate_drafter
+from megatron_tlt.drafter.precision import make_linear
+from megatron_tlt.spec.eagle import DrafterMismatch, eagle_drafter_config, validate_drafter
 
 # Llama's initializer_range: the scale of every random weight at initialisation.
 _INIT_STD = 0.02
+# Transformer Engine layers keep their FP8 scaling state under this key; it is not a drafter tensor.
+_TE_EXTRA_STATE = "_extra_state"
 
 
 def policy_rope_inv_freq(arch: PolicyArchitecture) -> tuple[torch.Tensor, float]:
@@ -84,15 +87,15 @@ class RMSNorm(nn.Module):
 class EagleAttention(nn.Module):
     """Grouped-query self-attention with RoPE (neox layout, as Llama); q/k/v bias only for Qwen2 policies."""
 
-    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None):
+    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None, fp8: bool = False):
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_kv_heads, d
-        factory = dict(dtype=dtype, device=device)
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=arch.qkv_bias, **factory)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=arch.qkv_bias, **factory)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=arch.qkv_bias, **factory)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False, **factory)
+        factory = dict(dtype=dtype, device=device, fp8=fp8)
+        self.q_proj = make_linear(h, self.num_heads * d, bias=arch.qkv_bias, **factory)
+        self.k_proj = make_linear(h, self.num_kv_heads * d, bias=arch.qkv_bias, **factory)
+        self.v_proj = make_linear(h, self.num_kv_heads * d, bias=arch.qkv_bias, **factory)
+        self.o_proj = make_linear(self.num_heads * d, h, bias=False, **factory)
 
     def forward(self, x_th, cos_td, sin_td, mask_tt) -> torch.Tensor:
         t = x_th.shape[0]
@@ -106,12 +109,13 @@ class EagleAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None):
+    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None, fp8: bool = False):
         super().__init__()
         h, inter = arch.hidden_size, arch.intermediate_size
-        self.gate_proj = nn.Linear(h, inter, bias=False, dtype=dtype, device=device)
-        self.up_proj = nn.Linear(h, inter, bias=False, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(inter, h, bias=False, dtype=dtype, device=device)
+        factory = dict(bias=False, dtype=dtype, device=device, fp8=fp8)
+        self.gate_proj = make_linear(h, inter, **factory)
+        self.up_proj = make_linear(h, inter, **factory)
+        self.down_proj = make_linear(inter, h, **factory)
 
     def forward(self, x_th: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x_th)) * self.up_proj(x_th))
@@ -120,11 +124,11 @@ class SwiGLU(nn.Module):
 class EagleDecoderLayer(nn.Module):
     """A Llama decoder layer whose first input norm is removed, as vLLM's EAGLE layer (``layers.0``)."""
 
-    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None):
+    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None, fp8: bool = False):
         super().__init__()
-        self.self_attn = EagleAttention(arch, dtype=dtype, device=device)
+        self.self_attn = EagleAttention(arch, dtype=dtype, device=device, fp8=fp8)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = SwiGLU(arch, dtype=dtype, device=device)
+        self.mlp = SwiGLU(arch, dtype=dtype, device=device, fp8=fp8)
 
     def forward(self, x_th, cos_td, sin_td, mask_tt) -> torch.Tensor:
         # No input norm: attention reads fc's output directly (vLLM replaces input_layernorm by Identity).
@@ -143,14 +147,15 @@ class EagleDrafter(nn.Module):
     step (no zero-initialised projection blocks the ones before it).
     """
 
-    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype = torch.float32, device=None, seed: int = 0):
+    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype = torch.float32, device=None, seed: int = 0,
+                 fp8: bool = False):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"drafter dtype must be torch.float32 or torch.bfloat16, got {dtype}")
         self.arch = arch
         h = arch.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False, dtype=dtype, device=device)
-        self.layers = nn.ModuleList([EagleDecoderLayer(arch, dtype=dtype, device=device)])
+        self.fc = make_linear(2 * h, h, bias=False, dtype=dtype, device=device, fp8=fp8)
+        self.layers = nn.ModuleList([EagleDecoderLayer(arch, dtype=dtype, device=device, fp8=fp8)])
         inv_freq, self.rope_attention_scaling = policy_rope_inv_freq(arch)
         self._rope_inv_freq_fp32 = inv_freq  # source of truth, never cast (see _apply)
         self.register_buffer("rope_inv_freq", inv_freq.to(device), persistent=False)
@@ -226,9 +231,13 @@ class EagleDrafter(nn.Module):
         the policy's current embedding.
         """
         validate_drafter(self.arch, tensors)
-        self.load_state_dict({k: v for k, v in tensors.items() if k != "embed_tokens.weight"}, strict=True)
+        result = self.load_state_dict({k: v for k, v in tensors.items() if k != "embed_tokens.weight"}, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith(_TE_EXTRA_STATE)]
+        if missing or result.unexpected_keys:
+            raise DrafterMismatch(f"drafter tensors do not fit: missing {missing}, unexpected {result.unexpected_keys}")
 
     @torch.no_grad()
     def export_tensors(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Detached CPU copies of every drafter tensor under vLLM's names (no embedding, no LM head)."""
-        return {name: t.detach().to("cpu", dtype=dtype or t.dtype, copy=True) for name, t in self.state_dict().items()}
+        return {name: t.detach().to("cpu", dtype=dtype or t.dtype, copy=True) for name, t in self.state_dict().items()
+                if not name.endswith(_TE_EXTRA_STATE)}
