@@ -22,7 +22,7 @@ see less context than vLLM gives them: choose ``max_tokens`` above the usual seq
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -110,10 +110,14 @@ def _concat(pieces: list[tuple[int, EagleExamples]]) -> DrafterPack:
     )
 
 
-def pack_sequences(sequences: Iterable[tuple[Sequence[int] | Tensor, Tensor]], max_tokens: int) -> list[DrafterPack]:
-    """Packs of at most ``max_tokens`` rows from ``(token_ids, features_th)`` pairs (module docstring).
+def iter_packs(sequences: Iterable[tuple[Sequence[int] | Tensor, Tensor]], max_tokens: int, *,
+               open_packs: int | None = None) -> Iterator[DrafterPack]:
+    """Packs of at most ``max_tokens`` rows from ``(token_ids, features_th)`` pairs (module docstring),
+    made as they are asked for.
 
-    Sequences with fewer than two feature rows give no example and are skipped.
+    First fit over the packs still open; with ``open_packs`` set, once that many are open the oldest is
+    closed and yielded before a new one opens, so only the packs consumed are ever built (their rows
+    copied). Sequences with fewer than two feature rows give no example and are skipped.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -125,9 +129,18 @@ def pack_sequences(sequences: Iterable[tuple[Sequence[int] | Tensor, Tensor]], m
             piece = examples.rows(start, start + max_tokens)
             slot = next((k for k, free in enumerate(room) if free >= piece.num_tokens), None)
             if slot is None:
+                if open_packs is not None and len(packs) >= open_packs:
+                    yield _concat(packs.pop(0))
+                    room.pop(0)
                 packs.append([])
                 room.append(max_tokens)
                 slot = len(packs) - 1
             packs[slot].append((index, piece))
             room[slot] -= piece.num_tokens
-    return [_concat(pieces) for pieces in packs]
+    for pieces in packs:
+        yield _concat(pieces)
+
+
+def pack_sequences(sequences: Iterable[tuple[Sequence[int] | Tensor, Tensor]], max_tokens: int) -> list[DrafterPack]:
+    """Every pack at once: first fit over all of them (``iter_packs`` without a bound)."""
+    return list(iter_packs(sequences, max_tokens))

@@ -6,9 +6,10 @@ device still busy) or TRAINING (a drafter micro-step in flight). Idle is detecte
   * on GPU, NVML utilisation of this rank's device (pynvml), so a device still busy with other work
     (e.g. a colocated engine's last kernels) is not trained on. Without NVML it is said once and the
     engine signal alone decides.
-The end of rollout is an asynchronous barrier over all ranks. Between micro-steps the rank polls it,
-so a rank is released at most one drafter micro-step after the slowest rank finished: the step in
-flight completes, no new one starts (preemption).
+The end of rollout is an asynchronous barrier over all ranks. Between micro-steps, and inside one
+after its forward and its backward pass, the rank polls it: once the slowest rank is done, the step
+in flight is dropped at the next of those points and no new one starts (preemption), so a rank is
+released within one micro-step (about a third of one, with the backward pass the longest part).
 
 A failure inside drafter training never reaches the RL run: it is logged once with its traceback,
 drafter training stays off for the rest of the run, and the rank waits idle as it would without it.
@@ -76,11 +77,12 @@ class DeviceIdleProbe:
 class SpotTrainer:
     """Runs drafter micro-steps on this rank while it waits for the rest of the rollout.
 
-    ``micro_step`` trains on one pack and returns the tokens it processed, or 0 when there is nothing
-    to train on; it must not touch the policy, the global RNGs or any process group.
+    ``micro_step(should_stop)`` trains on one pack and returns the tokens it processed, or 0 when there is
+    nothing to train on or it dropped the step because ``should_stop()`` said the rollout is over; it
+    must not touch the policy, the global RNGs or any process group.
     """
 
-    def __init__(self, micro_step: Callable[[], int] | None, probe: DeviceIdleProbe):
+    def __init__(self, micro_step: Callable[[Callable[[], bool]], int] | None, probe: DeviceIdleProbe):
         self.micro_step = micro_step
         self.probe = probe
         self.enabled = micro_step is not None
@@ -97,7 +99,7 @@ class SpotTrainer:
                 time.sleep(POLL_SECONDS)
                 continue
             start = time.time()
-            tokens = self._train_one()
+            tokens = self._train_one(barrier.is_completed)
             end = time.time()
             if tokens > 0:
                 self._close_idle(timeline, report, idle_since, start)
@@ -114,9 +116,9 @@ class SpotTrainer:
         report.failed = not self.enabled and self.micro_step is not None
         return report
 
-    def _train_one(self) -> int:
+    def _train_one(self, should_stop: Callable[[], bool]) -> int:
         try:
-            return int(self.micro_step())
+            return int(self.micro_step(should_stop))
         except Exception:
             logger.exception("drafter training failed on this rank; it stays off for the rest of the run "
                              "(the RL run itself is not affected)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,8 +21,12 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from megatron_tlt.drafter.buffer import HiddenStateBuffer
 from megatron_tlt.drafter.loss import drafter_loss
 from megatron_tlt.drafter.model import EagleDrafter
-from megatron_tlt.drafter.packing import DrafterPack, pack_sequences
+from megatron_tlt.drafter.packing import DrafterPack, iter_packs, pack_sequences
+from megatron_tlt.drafter.precision import DrafterPrecision, autocast
 from megatron_tlt.model_config import PolicyArchitecture
+
+
+_OPEN_PACKS = 4  # first fit over this many packs at a time: nearly as tight as over all, built lazily
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,72 +37,133 @@ class DrafterTrainingSettings:
     hidden_weight: float
     ce_weight: float
     seed: int
+    precision: DrafterPrecision = DrafterPrecision(torch.device("cpu"), torch.float32)
 
 
 class DrafterTrainer:
     def __init__(self, arch: PolicyArchitecture, settings: DrafterTrainingSettings):
         self.arch, self.settings = arch, settings
-        self.drafter = EagleDrafter(arch, seed=settings.seed)
+        self.precision = p = settings.precision
+        self.drafter = EagleDrafter(arch, seed=settings.seed, dtype=p.dtype, device=p.device, fp8=p.fp8)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=settings.lr, weight_decay=0.0)
-        self.buffer = HiddenStateBuffer(settings.buffer_tokens)
+        # On the drafter's device: features stay where the log-prob pass made them (no copy on the critical path).
+        self.buffer = HiddenStateBuffer(settings.buffer_tokens, device=p.device)
         self._embedding_vh: torch.Tensor | None = None
         self._lm_head_vh: torch.Tensor | None = None
+        self._pack_stream: Iterator[DrafterPack] | None = None
         self._packs: list[DrafterPack] = []
-        self._packs_stale = False
-        self._next_pack = 0
+        self._cycle = 0
+        self._retry: DrafterPack | None = None
         self.reset_phase_stats()
 
     # -------------------------------------------------------------- inputs, refreshed every RL step
 
     def set_policy_heads(self, embedding_vh: torch.Tensor, lm_head_vh: torch.Tensor) -> None:
         """The policy's current (unpadded) embedding and LM head: frozen inputs, never trained here."""
-        self._embedding_vh, self._lm_head_vh = embedding_vh.detach(), lm_head_vh.detach()
+        p = self.precision
+        self._embedding_vh = embedding_vh.detach().to(p.device, p.dtype)
+        self._lm_head_vh = lm_head_vh.detach().to(p.device, p.dtype)
 
     def add_sequences(self, token_ids: list[list[int]], features: list[torch.Tensor]) -> None:
         """This step's sequences and their post-final-norm features. Called on the critical path (the
-        log-prob pass), so it only stores them: packing waits for the first micro-step, in idle time."""
+        log-prob pass), so it only stores them: packs are made one at a time by the micro-steps, in idle
+        time, and only as many as idle time consumes (building all of them would copy the whole buffer
+        each step, memory traffic that slows the ranks still generating on a shared CPU)."""
         self.buffer.extend(token_ids, features)
-        self._packs_stale = True
-
-    def _repack(self) -> None:
         # Newest first: the freshest policy's features are trained on before older ones.
-        self._packs = pack_sequences(reversed(self.buffer.sequences()), self.settings.pack_tokens)
-        self._next_pack = 0
-        self._packs_stale = False
+        self._pack_stream = iter_packs(reversed(self.buffer.sequences()), self.settings.pack_tokens,
+                                       open_packs=_OPEN_PACKS)
+        self._packs, self._cycle, self._retry = [], 0, None
+
+    def _next_pack(self) -> DrafterPack | None:
+        """A dropped step's pack first, then new packs, then the packs made so far again (cycling)."""
+        if self._retry is not None:
+            pack, self._retry = self._retry, None
+            return pack
+        if self._pack_stream is not None:
+            pack = next(self._pack_stream, None)
+            if pack is not None:
+                self._packs.append(pack)
+                return pack
+            self._pack_stream = None
+        if not self._packs:
+            return None
+        self._cycle += 1
+        return self._packs[(self._cycle - 1) % len(self._packs)]
+
+    def packs_in_buffer(self) -> int:
+        """Micro-steps in one pass over the buffer (makes every pack now)."""
+        if self._pack_stream is not None:
+            self._packs.extend(self._pack_stream)
+            self._pack_stream = None
+        return len(self._packs)
 
     # -------------------------------------------------------------- one micro-step
 
-    def micro_step(self) -> int:
-        """Train on the next pack (cycling); returns its tokens, 0 when there is nothing to train on."""
-        if self._packs_stale:
-            self._repack()
-        if not self._packs or self._embedding_vh is None:
+    def micro_step(self, should_stop: Callable[[], bool] = lambda: False) -> int:
+        """Train on the next pack (cycling); returns its tokens, 0 when there is nothing to train on.
+
+        ``should_stop`` is asked after the forward and after the backward pass: when it says yes the step
+        is dropped (no update, 0 returned, the pack comes first next time), so a preempted rank is
+        released within the longest of the three parts instead of a whole micro-step.
+        """
+        if self._embedding_vh is None:
             return 0
-        pack = self._packs[self._next_pack % len(self._packs)]
-        self._next_pack += 1
+        pack = self._next_pack()
+        if pack is None:
+            return 0
         self.drafter.train()
-        token_embeds = self._embedding_vh[pack.input_ids_t]
-        pred = self.drafter(token_embeds, pack.features_th, pack.position_ids_t, pack.segment_ids_t)
-        loss, metrics = drafter_loss(pred, pack.target_features_th, self._lm_head_vh,
-                                     hidden_weight=self.settings.hidden_weight, ce_weight=self.settings.ce_weight)
+        loss, metrics = self._loss(pack.to(self.precision.device))
+        if should_stop():
+            return self._drop(pack)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if should_stop():
+            return self._drop(pack)
         self.optimizer.step()
         self._losses.append(float(loss))
         self._agreements.append(float(metrics["top1_agreement"]))
         self.tokens_trained += pack.num_tokens
         return pack.num_tokens
 
+    @torch.no_grad()
+    def evaluate(self, token_ids: list[list[int]], features: list[torch.Tensor]) -> dict[str, float]:
+        """Loss and top-1 agreement summed over the EAGLE examples of these sequences, and their count
+        (sums, so ranks can add them up)."""
+        self.drafter.eval()
+        totals = {"loss_sum": 0.0, "top1_sum": 0.0, "tokens": 0.0}
+        for pack in pack_sequences(zip(token_ids, features), self.settings.pack_tokens):
+            loss, metrics = self._loss(pack.to(self.precision.device))
+            totals["loss_sum"] += float(loss) * pack.num_tokens
+            totals["top1_sum"] += float(metrics["top1_agreement"]) * pack.num_tokens
+            totals["tokens"] += pack.num_tokens
+        return totals
+
+    def _loss(self, pack: DrafterPack):
+        with autocast(self.precision):
+            pred = self.drafter(self._embedding_vh[pack.input_ids_t], pack.features_th, pack.position_ids_t,
+                                pack.segment_ids_t)
+        return drafter_loss(pred, pack.target_features_th, self._lm_head_vh,
+                            hidden_weight=self.settings.hidden_weight, ce_weight=self.settings.ce_weight)
+
+    def _drop(self, pack: DrafterPack) -> int:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._retry = pack
+        self.dropped_steps += 1
+        return 0
+
     def reset_phase_stats(self) -> None:
         self.tokens_trained = 0
+        self.dropped_steps = 0
         self._losses: list[float] = []
         self._agreements: list[float] = []
 
     def phase_stats(self) -> dict[str, float]:
-        """This rank's drafter loss and top-1 agreement (means over its micro-steps) and tokens trained."""
+        """This rank's drafter loss and top-1 agreement (means over its micro-steps), tokens trained and
+        micro-steps dropped by preemption."""
         return {"loss": statistics.fmean(self._losses) if self._losses else float("nan"),
                 "top1_agreement": statistics.fmean(self._agreements) if self._agreements else float("nan"),
-                "tokens": float(self.tokens_trained)}
+                "tokens": float(self.tokens_trained), "dropped_steps": self.dropped_steps}
 
     # -------------------------------------------------------------- one version for every engine
 
@@ -106,7 +172,7 @@ class DrafterTrainer:
         """Make every replica the mean of the replicas, weighted by the tokens each trained this phase
         (collective). Returns the total tokens; with none trained anywhere nothing changes."""
         weight = float(self.tokens_trained)
-        total = torch.tensor([weight], dtype=torch.float64)
+        total = torch.tensor([weight], dtype=torch.float64, device=self.precision.device)  # NCCL: on the GPU
         dist.all_reduce(total, group=group)
         if total.item() == 0:
             return 0

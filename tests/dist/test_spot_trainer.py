@@ -20,7 +20,7 @@ def _rollout_with_spot_training(fail_on_call: int | None):
         rank = dist.get_rank()
         calls = []
 
-        def micro_step() -> int:  # stands in for one drafter pack: fixed time, fixed tokens
+        def micro_step(should_stop) -> int:  # stands in for one drafter pack: fixed time, fixed tokens
             calls.append(time.time())
             if fail_on_call is not None and len(calls) == fail_on_call:
                 raise RuntimeError("injected drafter failure")

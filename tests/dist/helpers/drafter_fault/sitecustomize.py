@@ -13,11 +13,11 @@ if _FAULT_AT > 0:
         original = module.DrafterTrainer.micro_step
         calls = {"n": 0}
 
-        def failing_micro_step(self):
+        def failing_micro_step(self, *args, **kwargs):
             calls["n"] += 1
             if calls["n"] == _FAULT_AT:
                 raise RuntimeError("injected drafter training failure")
-            return original(self)
+            return original(self, *args, **kwargs)
 
         module.DrafterTrainer.micro_step = failing_micro_step
 
