@@ -1,13 +1,19 @@
-"""What the spot trainer costs the RL critical path: the same run with it on and off, speculation off in
-both, same seeds (so the rollouts, rewards and updates are identical), runs interleaved on/off/on/off.
+"""What the spot trainer costs the RL critical path, speculation off, same seeds: a crossover design.
 
-    python bench/spot_overhead.py                    # the tiny default, 2 pairs of 12-step runs
-    python bench/spot_overhead.py --pairs 3 --steps 20 -- optimizer.lr=1e-4
+    python bench/spot_overhead.py                    # the tiny default, 3 pairs of 12-step runs
+    python bench/spot_overhead.py --pairs 4 --steps 16 -- optimizer.lr=1e-4
 
-The critical path of a step is every phase in turn: rollout (until the slowest rank is done, which
-includes any preemption delay), reward, log-prob, update and sync. Its sum over the measured steps is
-compared between the two settings; the first step of every run (engine warm-up, no drafter
-features yet) is left out. Uses the cached warm-up of the tiny default (made on first use).
+Each pair is two runs of the same seeds (so identical rollouts, rewards and updates): one with the spot
+trainer working in the even steps only, the other in the odd steps only (``drafter.spot_training_steps``).
+Every step is thus measured once with and once without it, and each run holds both settings in
+alternation, so a slow spell of this shared machine falls on both alike instead of on one run.
+
+The critical path is the step's wall time (``step_seconds``): rollout until the slowest rank is done and
+every rank is released (the preemption delay), the drafter's replica averaging, reward, log-prob (with
+feature capture when on), update and sync. Per-phase maxima over ranks are printed to show where a
+difference lies (they overlap: a rank's release delay shows in its rollout and in the others' wait at the
+averaging). Step 1 (engine warm-up, no features yet) is left out. Uses the cached warm-up of the tiny
+default (made on first use).
 """
 
 from __future__ import annotations
@@ -22,45 +28,59 @@ from pathlib import Path
 PHASE_KEYS = ("rollout_seconds", "reward_seconds", "logprob_seconds", "update_seconds", "sync_seconds")
 
 
-def _run(steps: int, spot: bool, run_dir: Path, extra: list[str]) -> list[dict]:
+def _run(steps: int, parity: str, run_dir: Path, extra: list[str]) -> list[dict]:
     command = ["tlt", "train", f"trainer.steps={steps}", "trainer.eval_every=0", "data.held_out_prompts=0",
-               "trainer.save_every=0", f"drafter.spot_training={str(spot).lower()}", "drafter.speculative_tokens=0",
-               f"trainer.run_dir={run_dir}", *extra]
+               "trainer.save_every=0", "drafter.spot_training=true", f"drafter.spot_training_steps={parity}",
+               "drafter.speculative_tokens=0", f"trainer.run_dir={run_dir}", *extra]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _critical_path(records: list[dict]) -> float:
-    return sum(sum(r[k] for k in PHASE_KEYS) for r in records[1:])
+def _split(even_run: list[dict], odd_run: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(records with the spot trainer working, records without), one of each per step from step 2."""
+    on, off = [], []
+    for a, b in zip(even_run[1:], odd_run[1:]):
+        with_spot, without = (a, b) if a["step"] % 2 == 0 else (b, a)
+        on.append(with_spot)
+        off.append(without)
+    return on, off
+
+
+def _critical_path(records: list[dict], key: str = "step_seconds") -> float:
+    return sum(r[key] for r in records)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=2, help="on/off run pairs, interleaved")
+    parser.add_argument("--pairs", type=int, default=3, help="even/odd run pairs")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both settings")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args()
-    seconds = {True: [], False: []}
-    trained, same_rewards = [], True
+    all_on, all_off, ratios, same_rewards = [], [], [], True
     with tempfile.TemporaryDirectory() as tmp:
         for pair in range(args.pairs):
-            runs = {}
-            for spot in (True, False):
-                runs[spot] = _run(args.steps, spot, Path(tmp) / f"pair{pair}-{'on' if spot else 'off'}", args.overrides)
-                seconds[spot].append(_critical_path(runs[spot]))
-            trained.append(sum(sum(r["drafter/tokens_trained"]) for r in runs[True]))
-            same_rewards &= [r["reward_mean"] for r in runs[True]] == [r["reward_mean"] for r in runs[False]]
-            print(f"pair {pair}: critical path on {seconds[True][-1]:.2f}s, off {seconds[False][-1]:.2f}s, "
-                  f"ratio {seconds[True][-1] / seconds[False][-1]:.4f}; drafter rows trained {trained[-1]:.0f}",
-                  flush=True)
-        for key in PHASE_KEYS:  # where the difference lies (last pair)
-            a, b = (sum(r[key] for r in runs[spot][1:]) for spot in (True, False))
-            print(f"  {key:16s} on {a:7.3f}s  off {b:7.3f}s  ({100 * (a / b - 1):+.1f}%)")
-    on, off = sum(seconds[True]), sum(seconds[False])
-    ratios = [a / b for a, b in zip(seconds[True], seconds[False])]
-    print(f"critical path, spot trainer on / off: {on / off:.4f} ({100 * (on / off - 1):+.2f}%), median of pairs "
-          f"{statistics.median(ratios):.4f}, per pair {', '.join(f'{r:.4f}' for r in ratios)}; "
-          f"identical rewards: {same_rewards}")
+            even, odd = (_run(args.steps, parity, Path(tmp) / f"pair{pair}-{parity}", args.overrides)
+                         for parity in ("even", "odd"))
+            same_rewards &= [r["reward_mean"] for r in even] == [r["reward_mean"] for r in odd]
+            on, off = _split(even, odd)
+            all_on += on
+            all_off += off
+            ratios.append(_critical_path(on) / _critical_path(off))
+            rows = sum(sum(r["drafter/tokens_trained"]) for r in on)
+            print(f"pair {pair}: critical path with the spot trainer {_critical_path(on):.2f}s, without "
+                  f"{_critical_path(off):.2f}s over {len(on)} steps each, ratio {ratios[-1]:.4f}; drafter rows "
+                  f"trained {rows}", flush=True)
+    for key in PHASE_KEYS:
+        a, b = _critical_path(all_on, key), _critical_path(all_off, key)
+        print(f"  {key:16s} with {a:7.3f}s  without {b:7.3f}s  ({100 * (a / b - 1):+.1f}%)")
+    latency = [max(r["drafter/release_latency_seconds"]) for r in all_on]
+    dropped = sum(sum(r["drafter/dropped_micro_steps"]) for r in all_on)
+    steps = sum(sum(r["drafter/micro_steps"]) for r in all_on)
+    print(f"  release latency of the last rank out, per step: median {1000 * statistics.median(latency):.1f} ms, "
+          f"max {1000 * max(latency):.1f} ms; micro-steps {steps}, dropped by preemption {dropped}")
+    total = _critical_path(all_on) / _critical_path(all_off)
+    print(f"critical path, spot trainer on / off: {total:.4f} ({100 * (total - 1):+.2f}%); per pair "
+          f"{', '.join(f'{r:.4f}' for r in ratios)}; identical rewards in every pair: {same_rewards}")
 
 
 if __name__ == "__main__":

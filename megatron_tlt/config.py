@@ -150,6 +150,13 @@ class DrafterConfig:
     """Training rows per drafter micro-step: also the preemption granularity."""
     hidden_weight: float = 1.0
     ce_weight: float = 0.1
+    spot_training_steps: str = "all"
+    """Steps the spot trainer works in: all, or only the even / odd ones (for the crossover benchmark
+    ``bench/spot_overhead.py``, which compares steps with and without it inside each run)."""
+    precision: str = "auto"
+    """auto (FP8 via Transformer Engine where the GPU and TE allow, else bf16 on GPU, fp32 on CPU), fp32, bf16, fp8."""
+    init_dir: str | None = None
+    """Start from this EAGLE drafter directory (e.g. made by ``tlt warmup-drafter``) instead of random weights."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -300,6 +307,13 @@ def validate(config: TLTConfig) -> None:
     if d.spot_training and p.pipeline_parallel_size != 1:
         raise ConfigError("drafter.spot_training needs parallel.pipeline_parallel_size 1 for now: the drafter's "
                           "features live on the last pipeline stage only")
+    if d.spot_training_steps not in ("all", "even", "odd"):
+        raise ConfigError(f"drafter.spot_training_steps must be all, even or odd, got '{d.spot_training_steps}'")
+    if d.precision not in ("auto", "fp32", "bf16", "fp8"):
+        raise ConfigError(f"drafter.precision must be auto, fp32, bf16 or fp8, got '{d.precision}'")
+    if d.init_dir is not None and not (Path(d.init_dir).expanduser() / "model.safetensors").is_file():
+        raise ConfigError(f"drafter.init_dir {d.init_dir}: no model.safetensors there (expected an EAGLE "
+                          "drafter directory, e.g. from `tlt warmup-drafter`)")
     o = config.optimizer
     if o.lr_decay_style not in ("constant", "linear", "cosine"):
         raise ConfigError(f"optimizer.lr_decay_style must be constant, linear or cosine, got '{o.lr_decay_style}'")

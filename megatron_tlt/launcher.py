@@ -7,6 +7,7 @@ on this node. Each rank gets an equal share of the cores so ranks do not oversub
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -52,10 +53,12 @@ def _threads_per_rank(nprocs: int) -> int:
     return max(1, (os.cpu_count() or 1) // nprocs)
 
 
-def _run_rank(fn: Callable, threads: int, args: tuple) -> Any:
+def _run_rank(fn: Callable, threads: int, log_level: int, args: tuple) -> Any:
     import torch
 
     torch.set_num_threads(threads)
+    # Spawned interpreters start with logging unconfigured: give them the launcher's level (`tlt -v`).
+    logging.basicConfig(level=log_level, format=f"%(asctime)s [rank{os.environ.get('RANK', '?')}] %(name)s: %(message)s")
     return fn(*args)
 
 
@@ -85,7 +88,8 @@ def run_on_ranks(fn: Callable, nprocs: int, *args: Any, isolated: bool = False) 
         start_method="spawn",
     )
     try:
-        return elastic_launch(config, _run_rank)(fn, _threads_per_rank(nprocs), args)
+        return elastic_launch(config, _run_rank)(fn, _threads_per_rank(nprocs),
+                                                 logging.getLogger().getEffectiveLevel(), args)
     except ChildFailedError as err:
         _, first = err.get_first_failure()
         message = first.message.get("message") if isinstance(first.message, dict) else first.message

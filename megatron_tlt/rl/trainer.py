@@ -28,20 +28,21 @@ import torch.distributed as dist
 
 from megatron_tlt import mcore
 from megatron_tlt.config import TLTConfig
+from megatron_tlt.drafter import checkpointer as drafter_checkpoints, store as drafter_store
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotTrainer
+from megatron_tlt.drafter.precision import resolve_precision
 from megatron_tlt.drafter.trainer import DrafterTrainer, DrafterTrainingSettings
-from megatron_tlt.model_config import load_architecture
-from megatron_tlt.rl import checkpoint, policy_source, run_dir as run_files, tiny_default
+from megatron_tlt.rl import checkpoint, policy_source, run_dir as run_files
 from megatron_tlt.rl.actor import compute_logprobs
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
-from megatron_tlt.rl.data import PromptDataConfig, PromptExample, load_prompt_dataset
+from megatron_tlt.rl.data import PromptExample
 from megatron_tlt.rl.rewards import get_reward_fn
 from megatron_tlt.rl.sampler import PromptSampler
+from megatron_tlt.rl.task import engine_config_for, load_task
 from megatron_tlt.rl.timeline import BUSY, IDLE, PHASES, TRAINING, RankTimeline, rollout_idle_seconds, rollout_idle_shares
 from megatron_tlt.rl.update import LossSettings, PolicySequence, policy_update_step
 from megatron_tlt.rl.weight_sync import sync_policy_to_engine
 from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings, SpeculativeSettings
-from megatron_tlt.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ class RLTrainer:
         self.is_reporter = self.rank == 0
         stage = mcore.stage_info()
 
-        self._load_task()
+        task = load_task(config)
+        self.tokenizer, self.arch, self.dataset, self.held_out = task.tokenizer, task.arch, task.dataset, task.held_out
         self.arch.validate_layout(tensor_parallel_size=stage.tp_size, pipeline_parallel_size=stage.pp_size)
         self.padded_vocab = self.arch.padded_vocab_size(stage.tp_size)
         self.reward_fn = get_reward_fn(config.data.reward)
@@ -123,17 +125,12 @@ class RLTrainer:
             if self.is_reporter:
                 logger.info("resuming %s from step %d (%s)", run_dir, self.start_step, ckpt)
 
-        engine_config = config.rollout.engine
-        if engine_config.max_model_len is None:
-            longest_prompt = max(len(e.prompt_ids) for e in self.dataset.examples + tuple(self.held_out))
-            engine_config = dataclasses.replace(engine_config, max_model_len=min(
-                self.arch.max_position_embeddings, longest_prompt + config.rollout.max_response_tokens))
         self._build_drafter()
         speculation = {}
         if config.drafter.speculative_tokens > 0:
             speculation = dict(speculative=SpeculativeSettings(num_speculative_tokens=config.drafter.speculative_tokens),
                                drafter=self.drafter_trainer.drafter.export_tensors())
-        self.engine = RolloutEngine(self.arch, engine_config, workdir=run_dir / "engines", rank=self.rank,
+        self.engine = RolloutEngine(self.arch, engine_config_for(config, task), workdir=run_dir / "engines", rank=self.rank,
                                     **speculation)
         self.drafter_features: list[torch.Tensor] | None = None
         self.reporter = None
@@ -145,39 +142,44 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ set-up helpers
 
-    def _load_task(self) -> None:
-        config = self.config
-        if config.model.hf_dir is None:
-            root = tiny_default.cache_root(config.warmup.cache_dir)
-            self.tokenizer = tiny_default.load_task_tokenizer(root)
-            self.arch = tiny_default.policy_architecture(self.tokenizer)
-            self.dataset = tiny_default.rl_prompts(self.tokenizer, config.data.synthetic_prompts)
-            self.held_out = (tiny_default.held_out_prompts(self.tokenizer, config.data.held_out_prompts,
-                                                           config.warmup.corpus_size)
-                             if config.data.held_out_prompts else [])
-        else:
-            self.tokenizer = load_tokenizer(config.model.hf_dir)
-            self.arch = load_architecture(config.model.hf_dir)
-            if config.data.path is None:
-                raise ValueError("model.hf_dir needs a prompt file in data.path")
-            self.dataset = load_prompt_dataset(config.data.path, self.tokenizer,
-                                               PromptDataConfig(max_prompt_tokens=config.data.max_prompt_tokens))
-            self.held_out = []
-        if self.tokenizer.eos_id is None:
-            raise ValueError(f"tokenizer {self.tokenizer.directory} has no EOS token: responses would never end")
-
     def _build_drafter(self) -> None:
         """The drafter replica of this rank (speculation or spot training on), and the spot trainer."""
         d = self.config.drafter
-        self.drafter_trainer, self.spot = None, None
+        self.drafter_trainer, self.spot, self.drafter_checkpointer = None, None, None
+        self.drafter_tokens_total = 0
+        self._spot_on = False  # whether the spot trainer works in the current step
         if d.speculative_tokens == 0 and not d.spot_training:
             return
         self.drafter_trainer = DrafterTrainer(self.arch, DrafterTrainingSettings(
             lr=d.lr, buffer_tokens=d.buffer_tokens, pack_tokens=d.pack_tokens, hidden_weight=d.hidden_weight,
-            ce_weight=d.ce_weight, seed=self.config.trainer.seed))
+            ce_weight=d.ce_weight, seed=self.config.trainer.seed,
+            precision=resolve_precision(d.precision)))
+        self._load_drafter()
         if d.spot_training:
             device = torch.cuda.current_device() if torch.cuda.is_available() else None
             self.spot = SpotTrainer(self.drafter_trainer.micro_step, DeviceIdleProbe(device))
+            self.drafter_checkpointer = drafter_checkpoints.AsyncDrafterCheckpointer(
+                self.run_dir, self.arch, rank=self.rank, world=self.world, keep=self.config.trainer.keep_checkpoints)
+
+    def _load_drafter(self) -> None:
+        """A resumed run continues its own drafter; a new one starts from ``drafter.init_dir`` if set."""
+        found = None
+        if self.start_step > 0 and self.config.drafter.spot_training:
+            found = drafter_checkpoints.drafter_checkpoint_for(self.run_dir, self.start_step)
+            if found is None and self.is_reporter:
+                logger.warning("%s: no drafter checkpoint at or before step %d; the drafter starts again from "
+                               "its initial weights", self.run_dir, self.start_step)
+        if found is not None:
+            step, directory = found
+            self.drafter_trainer.drafter.load_tensors(drafter_store.read_drafter_tensors(directory, self.arch))
+            self.drafter_tokens_total = int(drafter_store.read_drafter_info(directory).get("tokens_trained", 0))
+            with_adam = drafter_checkpoints.load_adam_state(self.run_dir, step, self.drafter_trainer.optimizer,
+                                                            rank=self.rank, world=self.world)
+            if self.is_reporter:
+                logger.info("drafter resumed from %s (Adam state %s)", directory, "restored" if with_adam else "fresh")
+        elif self.config.drafter.init_dir is not None:
+            self.drafter_trainer.drafter.load_tensors(
+                drafter_store.read_drafter_tensors(self.config.drafter.init_dir, self.arch))
 
     def _continue_warmup_optimizer(self) -> None:
         """Start RL from the warm-up's Adam state, at RL's learning rate.
@@ -226,10 +228,13 @@ class RLTrainer:
         ) if mine else None
         done = time.time()
         timeline.add("rollout", BUSY, start, done)
-        self.spot_report = None
-        if self.spot is not None:  # idle until the slowest rank is done: train the drafter meanwhile
+        self.spot_report, self.drafter_stats = None, None
+        if self._spot_on:  # idle until the slowest rank is done: train the drafter meanwhile
             self.drafter_trainer.reset_phase_stats()
             self.spot_report = self.spot.wait_for_rollout_end(timeline)
+            self.drafter_stats = self.drafter_trainer.phase_stats()
+            with timeline.phase("sync"):  # one drafter version for every engine: the token-weighted mean
+                self.drafter_tokens_total += self.drafter_trainer.average_replicas()
         else:
             dist.barrier()  # the phase ends when the slowest rank is done; until then this rank idles
             timeline.add("rollout", IDLE, done, time.time())
@@ -265,14 +270,14 @@ class RLTrainer:
         with timeline.phase("logprob"):
             result = compute_logprobs(self.model, sequences, vocab_size=self.arch.vocab_size,
                                       micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
-                                      capture_hidden=t.capture_hidden_states or self.spot is not None)
+                                      capture_hidden=t.capture_hidden_states or self._spot_on)
             ref = None
             if self.reference is not None:
                 ref = compute_logprobs(self.reference, sequences, vocab_size=self.arch.vocab_size,
                                        micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id).token_logprobs
         # Kept for the drafter trainer: the post-final-norm features of this step's sequences.
         self.drafter_features = result.hidden_states
-        if self.spot is not None and result.hidden_states:
+        if self._spot_on and result.hidden_states:
             self.drafter_trainer.add_sequences(sequences, result.hidden_states)
         return result.token_logprobs, ref
 
@@ -323,11 +328,9 @@ class RLTrainer:
         timeline = RankTimeline(self.rank)
         step_start = time.time()
         examples = self.dataset.gather(next(self.sampler))
+        # Benchmarks may leave some steps without the spot trainer (drafter.spot_training_steps).
+        self._spot_on = self.spot is not None and _spot_step_selected(self.config.drafter.spot_training_steps, step + 1)
         mine, result = self._rollout(step, examples, timeline)
-        drafter_stats = None
-        if self.spot is not None:  # one drafter version for every engine: the token-weighted mean
-            drafter_stats = self.drafter_trainer.phase_stats()
-            self.drafter_trainer.average_replicas()
         own, samples = self._score_and_share(mine, result, timeline)
         advantages, dropped_groups = self._advantages(samples)
         sequences = [list(s.prompt_ids) + s.response_ids for s in samples]
@@ -342,7 +345,7 @@ class RLTrainer:
             "truncated": [s.finish_reason == "length" for s in own],
             "dropped_groups": dropped_groups if self.mp_rank == 0 else 0,
             "spec": result.spec if result is not None else None,
-            "drafter": drafter_stats,
+            "drafter": self.drafter_stats,
             "spot": self.spot_report,
             # counted once per replica: TP ranks hold the same features
             "hidden_tokens": sum(h.shape[0] for h in self.drafter_features)
@@ -417,6 +420,10 @@ class RLTrainer:
                                    meta=policy_source.checkpoint_meta(self.arch, self.config.model.dtype),
                                    sampler_state=self.sampler.state_dict(), dp_rank=self.dp_rank,
                                    keep=self.config.trainer.keep_checkpoints)
+        if self.drafter_checkpointer is not None:  # written in the background
+            self.drafter_checkpointer.save(step, self.drafter_trainer.drafter, self.drafter_trainer.optimizer,
+                                           info={"tokens_trained": self.drafter_tokens_total,
+                                                 "policy": self.config.model.hf_dir or "tiny default"})
 
     def _due(self, every: int, step: int) -> bool:
         return step == self.config.trainer.steps or (every > 0 and step % every == 0)
@@ -449,7 +456,14 @@ class RLTrainer:
             run_files.write_atomic(self.run_dir / run_files.EVAL_BEFORE_RL_FILE, json.dumps(metrics, indent=1))
 
     def close(self) -> None:
+        if self.drafter_checkpointer is not None:
+            self.drafter_checkpointer.close()  # the last drafter checkpoint reaches the disk
         self.engine.close()
+
+
+def _spot_step_selected(which: str, step: int) -> bool:
+    """Whether the spot trainer works in (1-based) ``step``: every step, or the even or odd ones only."""
+    return which == "all" or (step % 2 == 0) == (which == "even")
 
 
 def _speculation_record(per_rank: list[dict]) -> dict:
@@ -478,6 +492,7 @@ def _spot_record(per_rank: list[dict], timelines: list[RankTimeline]) -> dict:
         "drafter/top1_agreement": weighted(agreements),
         "drafter/training_seconds": [r.training_seconds for r in reports],
         "drafter/micro_steps": [r.micro_steps for r in reports],
+        "drafter/dropped_micro_steps": [s["dropped_steps"] for s in stats],
         # from the slowest rank finishing its share to this rank leaving rollout: the preemption latency
         "drafter/release_latency_seconds": [r.released_at - slowest_done for r in reports],
         "drafter/failed": any(r.failed for r in reports),

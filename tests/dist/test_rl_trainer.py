@@ -137,12 +137,17 @@ def test_trainer_on_an_hf_policy_with_a_verl_style_jsonl_and_bad_rows(env, tmp_p
     assert record["num_samples"] == 8 and record["response_length_max"] <= 16
 
 
-def test_spot_training_uses_idle_time_and_leaves_the_policy_results_unchanged(env, uninterrupted, tmp_path):
+@pytest.fixture(scope="module")
+def spot_run(env, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "spot"
+    _train(env, *SMALL, "trainer.steps=4", "trainer.save_every=2", "drafter.spot_training=true",
+           "drafter.pack_tokens=256", f"trainer.run_dir={run_dir}")
+    return run_dir
+
+
+def test_spot_training_uses_idle_time_and_leaves_the_policy_results_unchanged(uninterrupted, spot_run):
     """Speculation off in both runs: with the spot trainer on, rollouts and updates are identical."""
-    run_dir = tmp_path / "spot"
-    _train(env, *SMALL, "trainer.steps=4", "drafter.spot_training=true", "drafter.pack_tokens=256",
-           f"trainer.run_dir={run_dir}")
-    plain, spot = _summary(uninterrupted), _summary(run_dir)
+    plain, spot = _summary(uninterrupted), _summary(spot_run)
     assert [r["reward_mean"] for r in spot] == [r["reward_mean"] for r in plain]
     assert [r["response_length_mean"] for r in spot] == [r["response_length_mean"] for r in plain]
     for a, b in zip(spot, plain):
@@ -152,8 +157,74 @@ def test_spot_training_uses_idle_time_and_leaves_the_policy_results_unchanged(en
     assert all(r["drafter/failed"] is False for r in spot)
     for record in spot[1:]:
         assert max(record["drafter/release_latency_seconds"]) < 0.5  # within a 256-row micro-step and then some
-    spans = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    spans = [json.loads(line) for line in (spot_run / "timeline.jsonl").read_text().splitlines()]
     assert ("rollout", "TRAINING") in {(s["phase"], s["state"]) for s in spans}
+
+
+def test_drafter_checkpoints_are_servable_eagle_dirs_with_every_ranks_adam_state(spot_run):
+    drafter_dir = spot_run / "drafter"
+    assert sorted(p.name for p in drafter_dir.glob("step_*")) == ["step_000002", "step_000004"]
+    final = drafter_dir / "step_000004"
+    config = json.loads((final / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
+    info = json.loads((final / "tlt_drafter.json").read_text())
+    assert info["step"] == 4 and info["tokens_trained"] == sum(sum(r["drafter/tokens_trained"]) for r in _summary(spot_run))
+    assert sorted(p.name for p in (drafter_dir / "adam").iterdir()) == [
+        f"step_00000{s}_rank{r}of2.pt" for s in (2, 4) for r in (0, 1)]
+    assert not list(drafter_dir.glob(".*"))  # no staging left behind
+
+
+def test_resumed_run_continues_the_drafter_from_its_checkpoint(env, spot_run, tmp_path):
+    run_dir = tmp_path / "spot-resumed"
+    shutil.copytree(spot_run, run_dir)
+    result = subprocess.run(["tlt", "-v", "train", "--resume", str(run_dir), "trainer.steps=6"], env=env,
+                            capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"drafter resumed from {run_dir / 'drafter' / 'step_000004'} (Adam state restored)" in result.stderr
+    records = _summary(run_dir)
+    info = json.loads((run_dir / "drafter" / "step_000006" / "tlt_drafter.json").read_text())
+    assert info["tokens_trained"] == sum(sum(r["drafter/tokens_trained"]) for r in records)
+    # Step 5 has no features yet (the buffer is not saved); step 6 trains the continued drafter, whose
+    # loss is below that of the first phase the run's fresh drafter trained in.
+    assert sum(records[4]["drafter/tokens_trained"]) == 0 < sum(records[5]["drafter/tokens_trained"])
+    first_trained = next(r for r in records if sum(r["drafter/tokens_trained"]) > 0)
+    assert first_trained["step"] < 5 and records[5]["drafter/loss"] < first_trained["drafter/loss"]
+
+
+@pytest.fixture(scope="module")
+def warmed_drafter(env, spot_run, tmp_path_factory):
+    """`tlt warmup-drafter` on the spot run's final policy; returns (its directory, its printed report)."""
+    out = tmp_path_factory.mktemp("drafters") / "warm"
+    result = subprocess.run(["tlt", "warmup-drafter", "--policy", str(spot_run), "--out", str(out), "--prompts", "96",
+                             "--eval-prompts", "16", "--epochs", "4", *SMALL, "drafter.pack_tokens=256"],
+                            env=env, capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result.stdout
+
+
+def test_warmup_drafter_distils_the_policy_into_a_servable_drafter_that_agrees_more(warmed_drafter):
+    out, report = warmed_drafter
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and (out / "model.safetensors").is_file()
+    info = json.loads((out / "tlt_drafter.json").read_text())
+    assert info["policy"].endswith("checkpoints/step_000004/policy") and info["train_prompts"] == 96
+    assert info["tokens_trained"] > 0 and f"top-1 agreement {info['held_out_top1_agreement_before']:.3f}" in report
+    assert info["held_out_top1_agreement_after"] > info["held_out_top1_agreement_before"] + 0.05
+    assert info["held_out_loss_after"] < info["held_out_loss_before"]
+    assert info["mean_acceptance_length_after"] > info["mean_acceptance_length_before"]
+
+
+def test_warmup_drafter_refuses_bad_input_before_starting_ranks(env, tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "file").write_text("x")
+    for args, message in [
+        (["--out", str(taken)], "output already exists"),
+        (["--out", str(tmp_path / "new"), "--policy", str(tmp_path)], "not a run directory, a checkpoint"),
+        (["--out", str(tmp_path / "new"), "--epochs", "0"], "must be >= 1"),
+    ]:
+        result = subprocess.run(["tlt", "warmup-drafter", *args], env=env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
 def test_speculative_rollouts_report_acceptance_and_get_the_trained_drafter(env, tmp_path):
