@@ -3,11 +3,13 @@
     run_dir/drafter/step_000010/             the (averaged) drafter after step 10: a servable EAGLE dir
     run_dir/drafter/adam/step_000010_rank0of2.pt   each rank's own Adam moments (not averaged)
 
-Saving costs the critical path only a CPU snapshot of one decoder layer and its Adam state; a background
-thread writes it (rank 0 the weights, every rank its Adam file). Weights go to a staging directory that
-is renamed when complete, an Adam file to a temporary name that is renamed, so a run killed mid-write
-leaves no partial checkpoint under a final name. One write is in flight at a time: a save waits for the
-previous one. A failed write is logged and the run goes on (the previous checkpoint stays).
+Saving costs the critical path nothing but handing the tensors to a background thread, which writes them
+(rank 0 the weights, every rank its Adam file) while the log-prob, update and sync phases run. No copy is
+taken: the drafter only changes in the next rollout's idle time, and the spot trainer does not train
+while a write is in flight (``writing()``). Weights go to a staging directory that is renamed when
+complete, an Adam file to a temporary name that is renamed, so a run killed mid-write leaves no partial
+checkpoint under a final name. A save first waits for the previous write. A failed write is logged and
+the run goes on (the previous checkpoint stays).
 
 Not saved: the feature buffer. A resumed run trains the drafter again from its next log-prob pass.
 """
@@ -59,14 +61,14 @@ def drafter_checkpoint_for(run_dir: Path, step: int) -> tuple[int, Path] | None:
     return usable[-1] if usable else None
 
 
-def _snapshot(value):
-    """A CPU copy of every tensor in a (nested) optimizer state, so training may go on meanwhile."""
+def _to_cpu(value):
+    """Every tensor of a (nested) optimizer state on the CPU (no copy for CPU tensors)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().cpu()
     if isinstance(value, dict):
-        return {k: _snapshot(v) for k, v in value.items()}
+        return {k: _to_cpu(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_snapshot(v) for v in value]
+        return [_to_cpu(v) for v in value]
     return value
 
 
@@ -76,17 +78,22 @@ class AsyncDrafterCheckpointer:
         self.rank, self.world, self.keep = rank, world, keep
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-ckpt")
         self._pending: concurrent.futures.Future | None = None
-        self.last_snapshot_seconds = 0.0
+        self.last_handoff_seconds = 0.0
         self.last_write_seconds = 0.0
 
     def save(self, step: int, drafter, optimizer: torch.optim.Optimizer, info: dict) -> None:
-        """Snapshot now, write in the background. ``drafter`` must already be the averaged version."""
-        self.wait()
+        """Write in the background. ``drafter`` must already be the averaged version, and neither it nor
+        ``optimizer`` may change until ``writing()`` is False."""
         start = time.perf_counter()
-        tensors = drafter.export_tensors() if self.rank == 0 else None
-        adam = _snapshot(optimizer.state_dict())
-        self.last_snapshot_seconds = time.perf_counter() - start
-        self._pending = self._writer.submit(self._write, step, tensors, adam, dict(info, step=step))
+        self.wait()
+        state = optimizer.state_dict()  # references to the live moments, not copies
+        self._pending = self._writer.submit(self._write, step, drafter if self.rank == 0 else None, state,
+                                            dict(info, step=step))
+        self.last_handoff_seconds = time.perf_counter() - start
+
+    def writing(self) -> bool:
+        """Whether a write is still reading the drafter and its optimizer state."""
+        return self._pending is not None and not self._pending.done()
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk."""
@@ -100,9 +107,11 @@ class AsyncDrafterCheckpointer:
 
     # ------------------------------------------------------------------ the background thread
 
-    def _write(self, step: int, tensors: dict | None, adam: dict, info: dict) -> None:
+    def _write(self, step: int, drafter, adam: dict, info: dict) -> None:
         start = time.perf_counter()
         try:
+            adam = _to_cpu(adam)
+            tensors = drafter.export_tensors() if drafter is not None else None
             adam_path = _adam_file(self.run_dir, step, self.rank, self.world)
             adam_path.parent.mkdir(parents=True, exist_ok=True)
             partial = adam_path.with_name(adam_path.name + ".partial")
@@ -112,8 +121,8 @@ class AsyncDrafterCheckpointer:
                 self._write_weights(step, tensors, info)
             self._prune()
             self.last_write_seconds = time.perf_counter() - start
-            logger.info("drafter checkpoint of step %d written in %.3f s in the background (snapshot on the "
-                        "critical path: %.1f ms)", step, self.last_write_seconds, 1000 * self.last_snapshot_seconds)
+            logger.info("drafter checkpoint of step %d written in %.3f s in the background (%.1f ms on the "
+                        "critical path)", step, self.last_write_seconds, 1000 * self.last_handoff_seconds)
         except Exception:
             logger.exception("drafter checkpoint of step %d was not written (the run goes on; the previous "
                              "drafter checkpoint is kept)", step)

@@ -82,9 +82,11 @@ class SpotTrainer:
     must not touch the policy, the global RNGs or any process group.
     """
 
-    def __init__(self, micro_step: Callable[[Callable[[], bool]], int] | None, probe: DeviceIdleProbe):
+    def __init__(self, micro_step: Callable[[Callable[[], bool]], int] | None, probe: DeviceIdleProbe,
+                 may_train: Callable[[], bool] = lambda: True):
         self.micro_step = micro_step
         self.probe = probe
+        self.may_train = may_train
         self.enabled = micro_step is not None
 
     def wait_for_rollout_end(self, timeline: RankTimeline, group=None) -> SpotReport:
@@ -95,7 +97,7 @@ class SpotTrainer:
         while not barrier.is_completed() and time.time() - idle_since < FIRST_STEP_GRACE_SECONDS:
             time.sleep(POLL_SECONDS)
         while not barrier.is_completed():
-            if not (self.enabled and self.probe.device_quiet()):
+            if not (self.enabled and self.may_train() and self.probe.device_quiet()):
                 time.sleep(POLL_SECONDS)
                 continue
             start = time.time()

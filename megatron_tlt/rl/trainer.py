@@ -157,9 +157,11 @@ class RLTrainer:
         self._load_drafter()
         if d.spot_training:
             device = torch.cuda.current_device() if torch.cuda.is_available() else None
-            self.spot = SpotTrainer(self.drafter_trainer.micro_step, DeviceIdleProbe(device))
             self.drafter_checkpointer = drafter_checkpoints.AsyncDrafterCheckpointer(
                 self.run_dir, self.arch, rank=self.rank, world=self.world, keep=self.config.trainer.keep_checkpoints)
+            # no training while a checkpoint write still reads the drafter (it is not copied)
+            self.spot = SpotTrainer(self.drafter_trainer.micro_step, DeviceIdleProbe(device),
+                                    may_train=lambda: not self.drafter_checkpointer.writing())
 
     def _load_drafter(self) -> None:
         """A resumed run continues its own drafter; a new one starts from ``drafter.init_dir`` if set."""

@@ -1,5 +1,6 @@
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -52,12 +53,14 @@ def test_saved_drafter_is_a_servable_eagle_dir_and_round_trips_exactly(tmp_path)
     assert all(torch.equal(want[k]["exp_avg_sq"], got[k]["exp_avg_sq"]) for k in want)
 
 
-def test_snapshot_is_taken_at_save_time_not_when_the_thread_writes(tmp_path):
+def test_save_hands_off_without_copying_and_says_while_it_is_writing(tmp_path):
     drafter, optimizer = _trained_drafter()
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     ckpt = checkpointer.AsyncDrafterCheckpointer(tmp_path, LLAMA, rank=0, world=1, keep=2)
     ckpt.save(1, drafter, optimizer, info={})
-    with torch.no_grad():  # training goes on while the write may still be in flight
+    while ckpt.writing():  # the spot trainer does not train meanwhile
+        time.sleep(0.001)
+    with torch.no_grad():  # training may go on once the write is done
         for p in drafter.parameters():
             p.add_(1.0)
     ckpt.close()
