@@ -236,6 +236,7 @@ class RLTrainer:
             self.spot_report = self.spot.wait_for_rollout_end(timeline)
             self.drafter_stats = self.drafter_trainer.phase_stats()
             with timeline.phase("sync"):  # one drafter version for every engine: the token-weighted mean
+                self.drafter_checkpointer.wait()  # a write still reading the drafter (rollout shorter than it)
                 self.drafter_tokens_total += self.drafter_trainer.average_replicas()
         else:
             dist.barrier()  # the phase ends when the slowest rank is done; until then this rank idles
