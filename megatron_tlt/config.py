@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from megatron_tlt.drafter.precision import PRECISIONS
 from megatron_tlt.spec.engine import RolloutEngineConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
@@ -309,8 +310,8 @@ def validate(config: TLTConfig) -> None:
                           "features live on the last pipeline stage only")
     if d.spot_training_steps not in ("all", "even", "odd"):
         raise ConfigError(f"drafter.spot_training_steps must be all, even or odd, got '{d.spot_training_steps}'")
-    if d.precision not in ("auto", "fp32", "bf16", "fp8"):
-        raise ConfigError(f"drafter.precision must be auto, fp32, bf16 or fp8, got '{d.precision}'")
+    if d.precision not in PRECISIONS:
+        raise ConfigError(f"drafter.precision must be {', '.join(PRECISIONS)}, got '{d.precision}'")
     if d.init_dir is not None and not (Path(d.init_dir).expanduser() / "model.safetensors").is_file():
         raise ConfigError(f"drafter.init_dir {d.init_dir}: no model.safetensors there (expected an EAGLE "
                           "drafter directory, e.g. from `tlt warmup-drafter`)")

@@ -28,20 +28,17 @@ from megatron_tlt import mcore, policy
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter import store
 from megatron_tlt.drafter.precision import resolve_precision
-from megatron_tlt.drafter.trainer import DrafterTrainer, DrafterTrainingSettings
+from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES, DrafterTrainer, DrafterTrainingSettings
 from megatron_tlt.hf_io import CheckpointError, atomic_output_dir
 from megatron_tlt.rl import checkpoint, policy_source
 from megatron_tlt.rl.actor import compute_logprobs
 from megatron_tlt.rl.data import PromptExample
-from megatron_tlt.rl.task import Task, engine_config_for, load_task
+from megatron_tlt.rl.task import Task, engine_config_for, load_task, sampling_settings
 from megatron_tlt.rl.weight_sync import sync_policy_to_engine
-from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings, SpeculativeSettings
+from megatron_tlt.spec.engine import RolloutEngine, SpeculativeSettings
 from megatron_tlt.spec.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
-
-_EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ColdStartSettings:
@@ -103,10 +100,9 @@ class _Session:
         self.engine = RolloutEngine(task.arch, engine_config_for(config, task), workdir=workdir, rank=self.rank,
                                     speculative=SpeculativeSettings(num_speculative_tokens=settings.draft_tokens),
                                     drafter=self.trainer.drafter.export_tensors())
-        stats = sync_policy_to_engine(self.model, task.arch, self.engine, keep=frozenset({_EMBEDDING, _LM_HEAD}),
+        stats = sync_policy_to_engine(self.model, task.arch, self.engine, keep=POLICY_HEAD_NAMES,
                                       padded_vocab_size=task.arch.padded_vocab_size(mcore.stage_info().tp_size))
-        embedding = stats.kept[_EMBEDDING]
-        self.trainer.set_policy_heads(embedding, stats.kept.get(_LM_HEAD, embedding))
+        self.trainer.set_policy_heads(stats.kept)
         self.engine.load_drafter(self.trainer.drafter.export_tensors())  # the policy reload replaced it
 
     def generate_with_features(self, prompts: list[PromptExample], seed: int):
@@ -114,13 +110,12 @@ class _Session:
         ranks), the sequences' features, and the engine's speculation counts (summed over all ranks)."""
         mine = prompts[self.dp_rank :: self.dp_size]
         own = mine[self.mp_rank :: self.mp_size]
-        r = self.config.rollout
         spec = SpecDecodeStats()
         sequences = []
         if own:
-            result = self.engine.generate([e.prompt_ids for e in own], SamplingSettings(
-                n=1, temperature=r.temperature, top_p=r.top_p if r.temperature > 0 else 1.0,
-                max_tokens=r.max_response_tokens, stop_token_ids=[self.task.tokenizer.eos_id], seed=seed + self.rank))
+            result = self.engine.generate([e.prompt_ids for e in own], sampling_settings(
+                self.config, self.task.tokenizer, n=1, temperature=self.config.rollout.temperature,
+                seed=seed + self.rank))
             spec = result.spec
             sequences = [list(e.prompt_ids) + responses[0] for e, responses in zip(own, result.token_ids)]
         gathered = [None] * self.mp_size
@@ -136,8 +131,7 @@ class _Session:
 
     def evaluate(self, sequences, features) -> dict[str, float]:
         """Drafter loss and top-1 agreement over every rank's held-out sequences (TP replicas count once)."""
-        sums = self.trainer.evaluate(sequences, features) if sequences else {"loss_sum": 0.0, "top1_sum": 0.0,
-                                                                             "tokens": 0.0}
+        sums = self.trainer.evaluate(sequences, features)  # zeros for a rank without sequences
         if mcore.stage_info().tp_rank != 0:
             sums = dict.fromkeys(sums, 0.0)
         totals = torch.tensor([sums["loss_sum"], sums["top1_sum"], sums["tokens"]], dtype=torch.float64)

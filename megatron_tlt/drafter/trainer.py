@@ -26,6 +26,9 @@ from megatron_tlt.drafter.precision import DrafterPrecision, autocast
 from megatron_tlt.model_config import PolicyArchitecture
 
 
+_EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+POLICY_HEAD_NAMES = frozenset({_EMBEDDING, _LM_HEAD})
+"""HF names of the policy tensors the drafter drafts with (to keep from a weight sync)."""
 _OPEN_PACKS = 4  # first fit over this many packs at a time: nearly as tight as over all, built lazily
 
 
@@ -58,11 +61,14 @@ class DrafterTrainer:
 
     # -------------------------------------------------------------- inputs, refreshed every RL step
 
-    def set_policy_heads(self, embedding_vh: torch.Tensor, lm_head_vh: torch.Tensor) -> None:
-        """The policy's current (unpadded) embedding and LM head: frozen inputs, never trained here."""
+    def set_policy_heads(self, hf_tensors: dict[str, torch.Tensor]) -> None:
+        """The policy's current (unpadded) embedding and LM head, from HF tensors holding
+        ``POLICY_HEAD_NAMES`` (as a weight sync keeps them; a tied policy has no lm_head): frozen inputs,
+        never trained here."""
         p = self.precision
+        embedding_vh = hf_tensors[_EMBEDDING]
         self._embedding_vh = embedding_vh.detach().to(p.device, p.dtype)
-        self._lm_head_vh = lm_head_vh.detach().to(p.device, p.dtype)
+        self._lm_head_vh = hf_tensors.get(_LM_HEAD, embedding_vh).detach().to(p.device, p.dtype)
 
     def add_sequences(self, token_ids: list[list[int]], features: list[torch.Tensor]) -> None:
         """This step's sequences and their post-final-norm features. Called on the critical path (the

@@ -69,7 +69,6 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
     return run_dir, results[0]
 
 
-
 def _warm_up_drafter_on_rank(config, policy_dir, out_dir: str, settings):
     from megatron_tlt.drafter.cold_start import warm_up_drafter_on_rank  # imported in the rank
 

@@ -12,7 +12,7 @@ from megatron_tlt.config import TLTConfig
 from megatron_tlt.model_config import PolicyArchitecture, load_architecture
 from megatron_tlt.rl import tiny_default
 from megatron_tlt.rl.data import PromptDataConfig, PromptDataset, PromptExample, load_prompt_dataset
-from megatron_tlt.spec.engine import RolloutEngineConfig
+from megatron_tlt.spec.engine import RolloutEngineConfig, SamplingSettings
 from megatron_tlt.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -53,3 +53,11 @@ def engine_config_for(config: TLTConfig, task: Task) -> RolloutEngineConfig:
         engine_config = dataclasses.replace(engine_config, max_model_len=min(
             task.arch.max_position_embeddings, longest_prompt + config.rollout.max_response_tokens))
     return engine_config
+
+
+def sampling_settings(config: TLTConfig, tokenizer: Tokenizer, *, n: int, temperature: float,
+                      seed: int | None) -> SamplingSettings:
+    """The run's rollout sampling at ``temperature`` (greedy ignores top-p), ending at EOS."""
+    r = config.rollout
+    return SamplingSettings(n=n, temperature=temperature, top_p=r.top_p if temperature > 0 else 1.0,
+                            max_tokens=r.max_response_tokens, stop_token_ids=[tokenizer.eos_id], seed=seed)

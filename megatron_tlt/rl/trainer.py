@@ -31,14 +31,14 @@ from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter import checkpointer as drafter_checkpoints, store as drafter_store
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotTrainer
 from megatron_tlt.drafter.precision import resolve_precision
-from megatron_tlt.drafter.trainer import DrafterTrainer, DrafterTrainingSettings
+from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES, DrafterTrainer, DrafterTrainingSettings
 from megatron_tlt.rl import checkpoint, policy_source, run_dir as run_files
 from megatron_tlt.rl.actor import compute_logprobs
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.data import PromptExample
 from megatron_tlt.rl.rewards import get_reward_fn
 from megatron_tlt.rl.sampler import PromptSampler
-from megatron_tlt.rl.task import engine_config_for, load_task
+from megatron_tlt.rl.task import engine_config_for, load_task, sampling_settings
 from megatron_tlt.rl.timeline import BUSY, IDLE, PHASES, TRAINING, RankTimeline, rollout_idle_seconds, rollout_idle_shares
 from megatron_tlt.rl.update import LossSettings, PolicySequence, policy_update_step
 from megatron_tlt.rl.weight_sync import sync_policy_to_engine
@@ -47,7 +47,6 @@ from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings, Speculativ
 logger = logging.getLogger(__name__)
 
 EVAL_SAMPLES_PER_PROMPT = 4
-_EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"  # HF names (tied: no lm_head)
 _EVAL_SEED_STEP = 1 << 30  # a step index no RL step reaches: evaluation samples never repeat a rollout's
 
 
@@ -202,9 +201,7 @@ class RLTrainer:
             group["lr"] = self.lr_schedule.get_lr(group)
 
     def _sampling(self, *, n: int, temperature: float, seed: int | None) -> SamplingSettings:
-        r = self.config.rollout
-        return SamplingSettings(n=n, temperature=temperature, top_p=r.top_p if temperature > 0 else 1.0,
-                                max_tokens=r.max_response_tokens, stop_token_ids=[self.tokenizer.eos_id], seed=seed)
+        return sampling_settings(self.config, self.tokenizer, n=n, temperature=temperature, seed=seed)
 
     def _score(self, examples: list[PromptExample], token_ids: list[list[list[int]]],
                finish_reasons: list[list[str]], first_prompt_index: int, stride: int) -> list[Sample]:
@@ -315,13 +312,12 @@ class RLTrainer:
         return {key: statistics.fmean(values) for key, values in metrics.items()}
 
     def _sync(self, timeline: RankTimeline) -> float:
-        keep = frozenset({_EMBEDDING, _LM_HEAD}) if self.spot is not None else frozenset()
+        keep = POLICY_HEAD_NAMES if self.spot is not None else frozenset()
         with timeline.phase("sync"):
             stats = sync_policy_to_engine(self.model, self.arch, self.engine, padded_vocab_size=self.padded_vocab,
                                           keep=keep)
             if self.spot is not None:  # the drafter drafts with the policy's current embedding and LM head
-                embedding = stats.kept[_EMBEDDING]
-                self.drafter_trainer.set_policy_heads(embedding, stats.kept.get(_LM_HEAD, embedding))
+                self.drafter_trainer.set_policy_heads(stats.kept)
             if self.engine.speculative is not None:  # the reload must not lose the drafter: push it after
                 self.engine.load_drafter(self.drafter_trainer.drafter.export_tensors())
         return stats.gb_per_s
