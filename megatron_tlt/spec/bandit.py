@@ -1,0 +1,211 @@
+"""BEG-MAB: the bucketed epsilon-greedy multi-armed bandit that picks the speculation depth K.
+
+Each engine step the rollout engine asks for a depth K (0 = speculation off) and later reports a
+reward: generated tokens per second of that step. Arms are the depths; the best one depends on the
+batch size (speculation pays at small batches, where decoding is memory-bound and spare compute
+verifies drafts for free, but not at large ones), so every batch-size bucket runs its own bandit.
+An arm's estimate is the median of its last `window` rewards: the median shrugs off noisy step
+times (a GC pause, a weight sync), and the sliding window forgets old rewards so the choice follows
+a drafter that improves, or degrades, with every RL step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import math
+import random
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+_STATE_VERSION = 1
+
+
+class BanditConfigError(ValueError):
+    """Bad bandit settings; the message names the field and the problem."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class BanditSettings:
+    bucket_bounds: tuple[int, ...] = (1, 2, 5, 21, 32)
+    """Inclusive upper batch-size bounds of the buckets: (1, 2, 5, 21, 32) gives buckets 1, 2, 3-5, 6-21, 22-32 and a last bucket 33+."""
+    depths: tuple[int, ...] = (0, 1, 2, 3)
+    """The arms: speculation depths K; 0 = speculation off."""
+    epsilon: float = 0.1
+    window: int = 300
+    """Rewards kept per (bucket, arm); the estimate is their median."""
+    max_speculative_batch: int | None = None
+    """Batches above this run with K = 0 without asking the bandit (TLT turns speculation off above 32:
+    verifying drafts no longer comes free there); None: the bandit decides at every batch size."""
+    seed: int = 0
+
+    def validate(self, max_depth: int) -> None:
+        """Raise BanditConfigError naming the field and the offending values if the settings are unusable."""
+        bounds, depths = tuple(self.bucket_bounds), tuple(self.depths)
+        if not bounds:
+            raise BanditConfigError("bucket_bounds is empty; give at least one upper batch-size bound.")
+        if bounds[0] < 1:
+            raise BanditConfigError(f"bucket_bounds must be >= 1 (batch sizes start at 1), got {bounds[0]} in {bounds}.")
+        for lo, hi in zip(bounds, bounds[1:]):
+            if hi <= lo:
+                raise BanditConfigError(
+                    f"bucket_bounds must be strictly increasing, got {lo} then {hi} in {bounds}; the buckets would overlap."
+                )
+        if not depths:
+            raise BanditConfigError("depths is empty; give at least one speculation depth K (0 = speculation off).")
+        duplicates = sorted({k for k in depths if depths.count(k) > 1})
+        if duplicates:
+            raise BanditConfigError(f"depths has duplicate values {duplicates} in {depths}; each arm must be distinct.")
+        if min(depths) < 0:
+            raise BanditConfigError(f"depths must be >= 0, got {min(depths)} in {depths}.")
+        if max(depths) > max_depth:
+            raise BanditConfigError(
+                f"depths has {max(depths)}, above the engine's maximum speculation depth max_depth={max_depth}."
+            )
+        # Written so that NaN fails too: every comparison with NaN is False.
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise BanditConfigError(f"epsilon must be in [0, 1], got {self.epsilon}.")
+        if self.window < 1:
+            raise BanditConfigError(f"window must be >= 1 reward, got {self.window}.")
+        if self.max_speculative_batch is not None:
+            if self.max_speculative_batch < 1:
+                raise BanditConfigError(f"max_speculative_batch must be >= 1 or None, got {self.max_speculative_batch}.")
+            if 0 not in depths:
+                raise BanditConfigError(f"max_speculative_batch needs depth 0 among depths {depths} "
+                                        "(the depth of batches above it).")
+
+
+class BucketedEpsilonGreedy:
+    """One epsilon-greedy bandit over `settings.depths` per batch-size bucket."""
+
+    def __init__(self, settings: BanditSettings, max_depth: int) -> None:
+        settings.validate(max_depth)
+        self.settings = settings
+        self.max_depth = max_depth
+        self._bounds = tuple(settings.bucket_bounds)
+        self._depths = tuple(settings.depths)
+        self._arm = {k: i for i, k in enumerate(self._depths)}
+        # Own generator, so the engine's other randomness neither disturbs nor is disturbed by ours.
+        self._rng = random.Random(settings.seed)
+        self._rewards = [[self._new_window() for _ in self._depths] for _ in range(self.num_buckets)]
+        self._pulls = [[0] * len(self._depths) for _ in range(self.num_buckets)]
+
+    def _new_window(self, values: Iterable[float] = ()) -> collections.deque[float]:
+        return collections.deque(values, maxlen=self.settings.window)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._bounds) + 1
+
+    def bucket_of(self, batch_size: int) -> int:
+        """Index of the bucket holding `batch_size` (>= 1)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        # Bounds are inclusive upper ends, so the first bound >= batch_size names the bucket.
+        return bisect.bisect_left(self._bounds, batch_size)
+
+    def bucket_label(self, bucket: int) -> str:
+        """Human-readable batch-size range of a bucket: "1", "3-5", "33+"."""
+        self._check_bucket(bucket)
+        if bucket == len(self._bounds):
+            return f"{self._bounds[-1] + 1}+"
+        lo = self._bounds[bucket - 1] + 1 if bucket else 1
+        hi = self._bounds[bucket]
+        return str(hi) if lo == hi else f"{lo}-{hi}"
+
+    def choose(self, batch_size: int) -> int:
+        """The depth K for an engine step running `batch_size` sequences."""
+        bucket = self.bucket_of(batch_size)
+        windows = self._rewards[bucket]
+        untried = [k for k, w in zip(self._depths, windows) if not w]
+        limit = self.settings.max_speculative_batch
+        if limit is not None and batch_size > limit:
+            depth = 0
+        elif untried:
+            # Every arm gets one honest measurement before the greedy rule may ignore it.
+            depth = untried[0]
+        elif self._rng.random() < self.settings.epsilon:
+            depth = self._rng.choice(self._depths)
+        else:
+            depth = self.best_depth(bucket)
+        self._pulls[bucket][self._arm[depth]] += 1
+        return depth
+
+    def observe(self, bucket: int, depth: int, reward: float) -> None:
+        """Record the reward (generated tokens per second) of a step run with `depth` in `bucket`."""
+        self._check_bucket(bucket)
+        arm = self._check_depth(depth)
+        # A zero-length step time gives inf, a failed measurement NaN: either would poison the median.
+        if not math.isfinite(reward):
+            return
+        self._rewards[bucket][arm].append(float(reward))
+
+    def estimate(self, bucket: int, depth: int) -> float | None:
+        """Median of the arm's reward window, or None if the arm was never observed."""
+        self._check_bucket(bucket)
+        window = self._rewards[bucket][self._check_depth(depth)]
+        return statistics.median(window) if window else None
+
+    def best_depth(self, bucket: int) -> int | None:
+        """The tried arm with the highest estimate (ties go to the smaller K), or None if none was tried."""
+        best: tuple[float, int] | None = None
+        for k in self._depths:
+            value = self.estimate(bucket, k)
+            if value is not None and (best is None or (value, -k) > (best[0], -best[1])):
+                best = (value, k)
+        return None if best is None else best[1]
+
+    def summary(self) -> dict[str, dict]:
+        """Per bucket label: best K, pulls and estimates per K (keys are str(K)), ready for JSON logs."""
+        return {
+            self.bucket_label(b): {
+                "best": self.best_depth(b),
+                "pulls": {str(k): self._pulls[b][i] for i, k in enumerate(self._depths)},
+                "estimates": {str(k): self.estimate(b, k) for k in self._depths},
+            }
+            for b in range(self.num_buckets)
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full state as plain JSON types: settings, reward windows, pull counts, RNG state."""
+        version, internal, gauss_next = self._rng.getstate()
+        settings = dataclasses.asdict(self.settings)
+        settings["bucket_bounds"] = list(self._bounds)
+        settings["depths"] = list(self._depths)
+        return {
+            "version": _STATE_VERSION,
+            "settings": settings,
+            "rewards": [[list(w) for w in windows] for windows in self._rewards],
+            "pulls": [list(p) for p in self._pulls],
+            "rng": [version, list(internal), gauss_next],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output; buckets and depths must match this instance's settings.
+
+        epsilon and window are this instance's (so a resumed run may change them); if the window is
+        smaller than the saved one, each arm keeps its newest rewards.
+        """
+        saved = state["settings"]
+        if tuple(saved["bucket_bounds"]) != self._bounds:
+            raise BanditConfigError(
+                f"saved bucket_bounds {tuple(saved['bucket_bounds'])} differ from this bandit's {self._bounds}."
+            )
+        if tuple(saved["depths"]) != self._depths:
+            raise BanditConfigError(f"saved depths {tuple(saved['depths'])} differ from this bandit's {self._depths}.")
+        version, internal, gauss_next = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss_next))
+        self._rewards = [[self._new_window(w) for w in windows] for windows in state["rewards"]]
+        self._pulls = [list(p) for p in state["pulls"]]
+
+    def _check_bucket(self, bucket: int) -> None:
+        if not 0 <= bucket < self.num_buckets:
+            raise ValueError(f"bucket must be in [0, {self.num_buckets}), got {bucket}.")
+
+    def _check_depth(self, depth: int) -> int:
+        try:
+            return self._arm[depth]
+        except KeyError:
+            raise ValueError(f"depth {depth} is not one of the arms {self._depths}.") from None
