@@ -11,6 +11,9 @@ after its forward and its backward pass, the rank polls it: once the slowest ran
 in flight is dropped at the next of those points and no new one starts (preemption), so a rank is
 released within one micro-step (about a third of one, with the backward pass the longest part).
 
+Where ranks share one memory bus (a CPU), an idle rank's training slows the ranks still generating; a
+duty cycle below 1 makes it rest between micro-steps in proportion to the time each took.
+
 A failure inside drafter training never reaches the RL run: it is logged once with its traceback,
 drafter training stays off for the rest of the run, and the rank waits idle as it would without it.
 """
@@ -83,8 +86,11 @@ class SpotTrainer:
     """
 
     def __init__(self, micro_step: Callable[[Callable[[], bool]], int] | None, probe: DeviceIdleProbe,
-                 may_train: Callable[[], bool] = lambda: True):
+                 may_train: Callable[[], bool] = lambda: True, duty_cycle: float = 1.0):
+        if not 0.0 < duty_cycle <= 1.0:
+            raise ValueError(f"duty_cycle must be in (0, 1], got {duty_cycle}")
         self.micro_step = micro_step
+        self.rest_per_training_second = (1.0 - duty_cycle) / duty_cycle
         self.probe = probe
         self.may_train = may_train
         self.enabled = micro_step is not None
@@ -96,8 +102,9 @@ class SpotTrainer:
         idle_since = time.time()
         while not barrier.is_completed() and time.time() - idle_since < FIRST_STEP_GRACE_SECONDS:
             time.sleep(POLL_SECONDS)
+        rest_until = 0.0
         while not barrier.is_completed():
-            if not (self.enabled and self.may_train() and self.probe.device_quiet()):
+            if time.time() < rest_until or not (self.enabled and self.may_train() and self.probe.device_quiet()):
                 time.sleep(POLL_SECONDS)
                 continue
             start = time.time()
@@ -110,6 +117,7 @@ class SpotTrainer:
                 report.tokens += tokens
                 report.training_seconds += end - start
                 idle_since = end
+                rest_until = end + (end - start) * self.rest_per_training_second
             else:  # nothing to train on this step: wait like an idle rank
                 time.sleep(POLL_SECONDS)
         barrier.wait()
