@@ -166,6 +166,25 @@ class DrafterConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class SpeculationConfig:
+    """BEG-MAB: each rollout engine picks the speculation depth of every step from its live batch size."""
+
+    adaptive: bool = False
+    """Let the bandit choose the depth per engine step (needs drafter.speculative_tokens > 0, the most it may pick)."""
+    bucket_bounds: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 5, 21, 32])
+    """Inclusive upper batch-size bounds of the buckets (TLT's: 1, 2, 3-5, 6-21, 22-32, then 33+)."""
+    depths: list[int] | None = None
+    """The arms (depths K, 0 = off); default 0..drafter.speculative_tokens."""
+    epsilon: float = 0.1
+    """Share of steps that explore a random depth."""
+    window: int = 300
+    """Rewards per bucket and depth whose median is the estimate (a sliding window: the drafter changes)."""
+    max_speculative_batch: int | None = None
+    """Batches above this never speculate and get no speculative CUDA graphs (TLT uses 32 on H100s);
+    None: the bandit decides at every batch size (on CPU speculation still paid at batch 64)."""
+
+
+@dataclasses.dataclass(kw_only=True)
 class TrainerConfig:
     """The RL loop itself."""
 
@@ -202,6 +221,7 @@ class TLTConfig:
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
+    speculation: SpeculationConfig = dataclasses.field(default_factory=SpeculationConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
 
 
@@ -322,6 +342,8 @@ def validate(config: TLTConfig) -> None:
     if d.init_dir is not None and not (Path(d.init_dir).expanduser() / "model.safetensors").is_file():
         raise ConfigError(f"drafter.init_dir {d.init_dir}: no model.safetensors there (expected an EAGLE "
                           "drafter directory, e.g. from `tlt warmup-drafter`)")
+    if config.speculation.adaptive:
+        _validate_speculation(config)
     o = config.optimizer
     if o.lr_decay_style not in ("constant", "linear", "cosine"):
         raise ConfigError(f"optimizer.lr_decay_style must be constant, linear or cosine, got '{o.lr_decay_style}'")
@@ -330,6 +352,30 @@ def validate(config: TLTConfig) -> None:
                           f"{o.lr_warmup_steps}, {o.min_lr}, {o.lr}")
     if config.model.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got '{config.model.dtype}'")
+
+
+def bandit_settings(config: TLTConfig):
+    """The rollout engines' BEG-MAB settings from ``speculation.*`` (None when it is off)."""
+    from megatron_tlt.spec.bandit import BanditSettings
+
+    s = config.speculation
+    if not s.adaptive:
+        return None
+    depths = s.depths if s.depths is not None else range(config.drafter.speculative_tokens + 1)
+    return BanditSettings(bucket_bounds=tuple(s.bucket_bounds), depths=tuple(depths), epsilon=s.epsilon,
+                          window=s.window, max_speculative_batch=s.max_speculative_batch, seed=config.trainer.seed)
+
+
+def _validate_speculation(config: TLTConfig) -> None:
+    from megatron_tlt.spec.bandit import BanditConfigError
+
+    if config.drafter.speculative_tokens < 1:
+        raise ConfigError("speculation.adaptive needs drafter.speculative_tokens >= 1 (the deepest speculation "
+                          "the bandit may choose and the engines are built for)")
+    try:
+        bandit_settings(config).validate(max_depth=config.drafter.speculative_tokens)
+    except BanditConfigError as err:
+        raise ConfigError(f"speculation: {err}") from None
 
 
 def world_size(config: TLTConfig) -> int:

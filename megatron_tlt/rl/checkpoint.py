@@ -50,8 +50,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, meta: policy.PolicyCheckpointMeta,
-                    sampler_state: dict, dp_rank: int, keep: int) -> Path:
-    """Collective over all ranks; returns the final directory."""
+                    sampler_state: dict, dp_rank: int, keep: int, rank_state: dict | None = None) -> Path:
+    """Collective over all ranks; returns the final directory. ``rank_state``: more of this rank's own
+    state to keep beside its sampler position and RNG (e.g. its engine's bandit)."""
     final = _step_dir(run_dir, step)
     staging = final.with_name(f".{final.name}.tmp")
     rank = dist.get_rank()
@@ -62,7 +63,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, meta: policy.
     stage = mcore.stage_info()
     save_optimizer_state(staging, optimizer, dp_rank)
     (staging / "trainer").mkdir(parents=True, exist_ok=True)
-    torch.save({"sampler": sampler_state, "rng": rng_state()}, staging / "trainer" / f"rank{rank}.pt")
+    torch.save({"sampler": sampler_state, "rng": rng_state(), **(rank_state or {})}, staging / "trainer" / f"rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         layout = {"tensor_parallel_size": stage.tp_size, "pipeline_parallel_size": stage.pp_size,

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_tlt import mcore
+from megatron_tlt import config as config_mod, mcore
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter import checkpointer as drafter_checkpoints, store as drafter_store
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotTrainer
@@ -119,6 +119,7 @@ class RLTrainer:
         self.sampler = PromptSampler(len(self.dataset), batch_prompts=config.trainer.prompts_per_step,
                                      dp_rank=self.dp_rank, dp_size=self.dp_size, seed=config.trainer.seed)
         self.start_step = 0
+        state = None
         if ckpt is not None:
             state = checkpoint.load_checkpoint_state(ckpt, optimizer=self.optimizer)
             self.sampler.load_state_dict(state["sampler"])
@@ -131,10 +132,15 @@ class RLTrainer:
         self._build_drafter()
         speculation = {}
         if config.drafter.speculative_tokens > 0:
-            speculation = dict(speculative=SpeculativeSettings(num_speculative_tokens=config.drafter.speculative_tokens),
-                               drafter=self.drafter_trainer.drafter.export_tensors())
+            speculative = SpeculativeSettings(num_speculative_tokens=config.drafter.speculative_tokens,
+                                              adaptive=config_mod.bandit_settings(config))
+            speculation = dict(speculative=speculative, drafter=self.drafter_trainer.drafter.export_tensors())
         self.engine = RolloutEngine(self.arch, engine_config_for(config, task), workdir=run_dir / "engines", rank=self.rank,
                                     **speculation)
+        if state is not None and state.get("bandit") is not None and config.speculation.adaptive:
+            self.engine.load_bandit_state(state["bandit"])  # what it learned about depths goes on
+            if self.is_reporter:
+                logger.info("BEG-MAB state restored from %s", ckpt)
         self.drafter_features: list[torch.Tensor] | None = None
         self.reporter = None
         if self.is_reporter:
@@ -349,6 +355,8 @@ class RLTrainer:
             "truncated": [s.finish_reason == "length" for s in own],
             "dropped_groups": dropped_groups if self.mp_rank == 0 else 0,
             "spec": result.spec if result is not None else None,
+            "step_depths": result.step_depths if result is not None else [],
+            "bandit": self.engine.bandit_summary(),
             "drafter": self.drafter_stats,
             "spot": self.spot_report,
             # counted once per replica: TP ranks hold the same features
@@ -423,7 +431,8 @@ class RLTrainer:
         checkpoint.save_checkpoint(self.run_dir, step, model=self.model, optimizer=self.optimizer,
                                    meta=policy_source.checkpoint_meta(self.arch, self.config.model.dtype),
                                    sampler_state=self.sampler.state_dict(), dp_rank=self.dp_rank,
-                                   keep=self.config.trainer.keep_checkpoints)
+                                   keep=self.config.trainer.keep_checkpoints,
+                                   rank_state={"bandit": self.engine.bandit_state()})
         if self.drafter_checkpointer is not None:  # written in the background
             self.drafter_checkpointer.save(step, self.drafter_trainer.drafter, self.drafter_trainer.optimizer,
                                            info={"tokens_trained": self.drafter_tokens_total,
@@ -483,8 +492,15 @@ def _speculation_record(per_rank: list[dict]) -> dict:
     if drafts == 0:
         return {}
     accepted = sum(s.num_accepted_tokens for s in stats)
-    return {"spec/mean_acceptance_length": 1.0 + accepted / drafts,
-            "spec/acceptance_rate": accepted / max(1, sum(s.num_draft_tokens for s in stats))}
+    record = {"spec/mean_acceptance_length": 1.0 + accepted / drafts,
+              "spec/acceptance_rate": accepted / max(1, sum(s.num_draft_tokens for s in stats))}
+    depths = [d for p in per_rank for d in p["step_depths"]]
+    if depths:  # BEG-MAB: how often each depth ran, and each rank's best depth per batch-size bucket
+        record["spec/engine_steps_by_depth"] = {str(k): depths.count(k) for k in sorted(set(depths))}
+        record["spec/engine_steps"] = [len(p["step_depths"]) for p in per_rank]
+        record["spec/best_depth_by_bucket"] = [{bucket: s["best"] for bucket, s in p["bandit"].items()}
+                                               for p in per_rank]
+    return record
 
 
 def _spot_record(per_rank: list[dict], timelines: list[RankTimeline]) -> dict:

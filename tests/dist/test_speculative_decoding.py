@@ -7,31 +7,13 @@ Each scenario runs in its own process (vLLM keeps process-global state).
 
 import numpy as np
 import pytest
-import torch
-from scipy.stats import chisquare
+from lossless_sampling import NUM_SAMPLES, PROMPT, SIGNIFICANCE, goodness_of_fit_p_values
 
 from megatron_tlt.launcher import run_on_ranks
 from megatron_tlt.model_config import architecture_from_dict
 from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
 K = 3
-NUM_SAMPLES = 2000
-SIGNIFICANCE = 0.001  # per position; a lossless engine fails one of 4 positions with probability < 0.4%
-PROMPT = [5, 6]
-
-
-def _goodness_of_fit_p_values(sequences: np.ndarray, next_probs: torch.Tensor) -> list[float]:
-    """Chi-square p-value of each generated position against the exact conditional distribution."""
-    previous = np.concatenate([np.full((len(sequences), 1), PROMPT[-1]), sequences[:, :-1]], axis=1)
-    p_values = []
-    for pos in range(sequences.shape[1]):
-        expected = next_probs[torch.as_tensor(previous[:, pos])].sum(0).numpy()
-        observed = np.bincount(sequences[:, pos], minlength=len(expected)).astype(float)
-        keep = expected >= 5  # pool rare tokens so every cell has a usable expectation
-        obs = np.append(observed[keep], observed[~keep].sum())
-        exp = np.append(expected[keep], expected[~keep].sum())
-        p_values.append(float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue))
-    return p_values
 
 
 def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks: bool):
@@ -111,14 +93,14 @@ def test_a_drafter_that_agrees_with_the_target_is_accepted_at_every_position(fix
 
 
 def test_sampling_with_speculation_matches_the_targets_distribution(fixed_engine_results, exact):
-    p_values = _goodness_of_fit_p_values(fixed_engine_results["samples"], exact)
+    p_values = goodness_of_fit_p_values(fixed_engine_results["samples"], exact)
     assert min(p_values) > SIGNIFICANCE, p_values
 
 
 def test_the_sampling_test_detects_vllm_cpus_shipped_expand_kernel(tmp_path, exact):
     # Without megatron_tlt's fix the temperatures are read from uninitialised memory.
     broken = run_on_ranks(_speculative_engine_on_rank, 1, str(tmp_path), False, False, isolated=True)[0]
-    p_values = _goodness_of_fit_p_values(broken["samples"], exact)
+    p_values = goodness_of_fit_p_values(broken["samples"], exact)
     assert min(p_values[1:]) < 1e-10, p_values
 
 

@@ -82,7 +82,7 @@ def test_converges_to_the_best_arm_of_every_bucket():
 def run_fixed(epsilon: float, choices: int = 5000) -> list[int]:
     """`choices` steps in bucket 0 after the warm-up, with noiseless rewards (best arm K=3)."""
     bandit, rng = make(epsilon=epsilon, seed=3), random.Random(4)
-    for _ in DEPTHS:
+    for _ in range(len(DEPTHS) * bandit.settings.min_observations):
         step(bandit, TABLE, rng, 0)
     table = {0: TABLE[0]}
     picks = []
@@ -111,12 +111,15 @@ def test_epsilon_zero_never_explores_and_one_is_uniform():
 
 
 def test_untried_arms_come_first_in_depths_order():
-    bandit, rng = make(epsilon=1.0), random.Random(5)
+    bandit, rng = make(epsilon=1.0, min_observations=1), random.Random(5)
     assert [step(bandit, TABLE, rng, 0) for _ in DEPTHS] == list(DEPTHS)
     # Buckets are independent: a fresh bucket starts its own warm-up, even at epsilon=1.
     assert [step(bandit, TABLE, rng, 5) for _ in DEPTHS] == list(DEPTHS)
+    # An arm counts as tried once it has min_observations rewards (3 by default).
+    default = make(epsilon=1.0)
+    assert [step(default, TABLE, rng, 0) for _ in range(3 * len(DEPTHS))] == [k for k in DEPTHS for _ in range(3)]
 
-    custom = make(depths=(3, 0, 2))
+    custom = make(depths=(3, 0, 2), min_observations=1)
     order = []
     for _ in range(3):
         depth = custom.choose(1)

@@ -59,3 +59,28 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path):
     path.write_text(to_yaml(config))
     again = load_config(str(path))
     assert again == config
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["speculation.adaptive=true"], "speculation.adaptive needs drafter.speculative_tokens >= 1"),
+    (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.bucket_bounds=[1,5,5]"],
+     r"speculation: bucket_bounds must be strictly increasing, got 5 then 5 .* the buckets would overlap"),
+    (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.depths=[0,2,4]"],
+     r"speculation: depths has 4, above the engine's maximum speculation depth max_depth=3"),
+    (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.epsilon=1.5"],
+     r"speculation: epsilon must be in \[0, 1\], got 1.5"),
+    (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.epsilon=-0.1"],
+     r"speculation: epsilon must be in \[0, 1\]"),
+])
+def test_bad_bandit_settings_are_refused_at_start_up(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_bandit_settings_default_to_every_depth_up_to_the_engines():
+    from megatron_tlt.config import bandit_settings
+
+    settings = bandit_settings(load_config(None, ["speculation.adaptive=true", "drafter.speculative_tokens=3"]))
+    assert settings.depths == (0, 1, 2, 3) and settings.bucket_bounds == (1, 2, 5, 21, 32)
+    assert settings.max_speculative_batch is None
+    assert bandit_settings(load_config(None, [])) is None

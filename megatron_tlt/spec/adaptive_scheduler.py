@@ -1,0 +1,113 @@
+"""The hook of BEG-MAB into vLLM: a scheduler class that sets the speculation depth of every engine step.
+
+vLLM 0.32's scheduler already carries a per-step depth (``SchedulerOutput.num_spec_tokens_to_schedule``,
+read by the model runner; 0 turns drafting off for that step) when dynamic speculative decoding is on.
+This subclass, given to vLLM by qualified name (``scheduler_cls``), sets that depth from the bandit for
+the live batch size, and feeds the bandit each step's outcome in ``update_from_output``. Nothing of
+vLLM is forked or patched. Settings arrive through ``additional_config[BANDIT_CONFIG_KEY]``.
+
+Credit assignment: step N verifies the drafts proposed at the end of step N-1 (depth K_{N-1}) and
+drafts K_N new ones, so its tokens come from K_{N-1} and its time holds the drafting of K_N. Only steps
+with K_{N-1} == K_N measure one depth cleanly, and only those are credited; a change of depth is held
+for two steps so that the second one is such a step. Steps that prefill (new or resumed prompts) are
+not credited either: their time is not decoding's.
+Reward = tokens the step produced (accepted drafts + one per sequence) / the step's wall time, i.e.
+accepted tokens x batch size / step time. The step's time runs from its ``schedule`` to the next one, so
+it holds all the engine does per step (model, drafter, sampling, output processing); the last step of
+a ``generate`` call has no next one in that call and is not credited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from megatron_tlt.spec.bandit import BanditSettings, BucketedEpsilonGreedy
+
+BANDIT_CONFIG_KEY = "tlt_speculation_bandit"
+QUALIFIED_NAME = f"{__name__}.AdaptiveSpeculationScheduler"
+
+
+@dataclasses.dataclass
+class _StepInFlight:
+    started: float
+    batch_size: int
+    depth: int
+    decode_only: bool
+
+
+class AdaptiveSpeculationScheduler(Scheduler):
+    """vLLM's scheduler with the speculation depth of each step chosen by BEG-MAB (or pinned)."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        super().__init__(vllm_config, *args, **kwargs)
+        if self.dynamic_sd_lookup is None:
+            raise ValueError("AdaptiveSpeculationScheduler needs speculative decoding with "
+                             "num_speculative_tokens_per_batch_size set (dynamic speculation on)")
+        settings = dict((vllm_config.additional_config or {}).get(BANDIT_CONFIG_KEY, {}))
+        for key in ("bucket_bounds", "depths"):
+            if key in settings:
+                settings[key] = tuple(settings[key])
+        self.bandit = BucketedEpsilonGreedy(BanditSettings(**settings), max_depth=self.num_spec_tokens)
+        self.pinned_depth: int | None = None
+        """A fixed depth for every step instead of the bandit's choice (benchmarks); None: the bandit."""
+        self.step_log: list[tuple[int, int]] = []
+        """(batch size, depth) of every step since the engine last drained it."""
+        self._in_flight: _StepInFlight | None = None
+        self._previous_depth: int | None = None  # of the drafts the next step verifies
+        self._held_depth: int | None = None  # a new depth runs a second step, to be measured cleanly
+        self._unclocked: tuple[int, int, int, float] | None = None  # (bucket, depth, tokens, start) of a clean step
+
+    def pin_depth(self, depth: int | None) -> None:
+        if depth is not None and not 0 <= depth <= self.num_spec_tokens:
+            raise ValueError(f"depth {depth} outside 0..{self.num_spec_tokens} (the engine's maximum)")
+        self.pinned_depth = depth
+
+    def schedule(self, *args, **kwargs):
+        started = time.perf_counter()
+        if self._unclocked is not None:  # the previous step ends here: credit it
+            bucket, depth, tokens, step_started = self._unclocked
+            self._unclocked = None
+            if started > step_started:
+                self.bandit.observe(bucket, depth, tokens / (started - step_started))
+        output = super().schedule(*args, **kwargs)
+        batch_size = len(output.num_scheduled_tokens)
+        if batch_size == 0:
+            return output
+        output.num_spec_tokens_to_schedule = depth = self._depth_for(batch_size)
+        spec = output.scheduled_spec_decode_tokens
+        decode_only = not output.scheduled_new_reqs and all(
+            tokens == 1 + len(spec.get(req_id, ())) for req_id, tokens in output.num_scheduled_tokens.items())
+        self._in_flight = _StepInFlight(started, batch_size, depth, decode_only)
+        self.step_log.append((batch_size, depth))
+        return output
+
+    def _depth_for(self, batch_size: int) -> int:
+        if self.pinned_depth is not None:
+            return self.pinned_depth
+        if self._held_depth is not None:
+            depth, self._held_depth = self._held_depth, None
+            return depth
+        depth = self.bandit.choose(batch_size)
+        if depth != self._previous_depth:
+            self._held_depth = depth
+        return depth
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return outputs
+        clean = step.decode_only and step.depth == self._previous_depth
+        # pinned steps are not the bandit's choices: they would skew its pull counts
+        if clean and self.pinned_depth is None and self.get_num_unfinished_requests() > 0:
+            tokens = sum(len(ids) for ids in model_runner_output.sampled_token_ids or ())
+            self._unclocked = (self.bandit.bucket_of(step.batch_size), step.depth, tokens, step.started)
+        self._previous_depth = step.depth
+        return outputs
+
+    def drain_step_log(self) -> list[tuple[int, int]]:
+        log, self.step_log = self.step_log, []
+        return log

@@ -1,0 +1,107 @@
+"""BEG-MAB inside vLLM: the scheduler hook picks each step's depth from the live batch size, learns from
+the engine's own step counts and timings, stays lossless, and its state survives a save and load.
+
+Uses ``tiny_models.next_token_fixture``: a drafter that is always right (depth 3 pays) and one that is
+almost never right (speculation does not pay: depth 0 should win). One engine process for all checks.
+"""
+
+import numpy as np
+import pytest
+from lossless_sampling import NUM_SAMPLES, PROMPT, SIGNIFICANCE, goodness_of_fit_p_values
+
+from megatron_tlt.launcher import run_on_ranks
+from megatron_tlt.model_config import architecture_from_dict
+from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
+
+K = 3
+PROMPTS = [[i, i + 1] for i in range(1, 9)]
+
+
+def _adaptive_engine_on_rank(workdir: str):
+    from megatron_tlt.parallel import ParallelLayout
+    from megatron_tlt.spec.bandit import BanditSettings
+    from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings, SpeculativeSettings
+
+    arch = architecture_from_dict(TINY_LLAMA_ROLLOUT)
+    fixture = next_token_fixture(arch)
+    bandit = BanditSettings(bucket_bounds=(1, 2, 4, 8), depths=(0, 1, 2, 3), window=20, epsilon=0.1, seed=0,
+                            min_observations=1)
+    greedy = SamplingSettings(temperature=0.0, max_tokens=96)
+    out = {}
+    with ParallelLayout():
+        engine = RolloutEngine(arch, RolloutEngineConfig(max_model_len=256, seed=0), workdir=workdir, rank=0,
+                               speculative=SpeculativeSettings(num_speculative_tokens=K, adaptive=bandit),
+                               drafter=fixture["good_drafter"])
+        try:
+            engine.load_weights(fixture["target"].items())
+            good = engine.generate(PROMPTS, greedy)
+            out["good_depths"], out["good_batches"] = good.step_depths, good.step_batch_sizes
+            out["greedy"] = [r[0] for r in good.token_ids]
+            out["good_summary"] = engine.bandit_summary()
+            saved = engine.bandit_state()
+            engine.pin_speculation_depth(1)
+            out["pinned_depths"] = engine.generate(PROMPTS, greedy).step_depths
+            engine.pin_speculation_depth(None)
+            out["samples"] = np.array(engine.generate(
+                [PROMPT], SamplingSettings(n=NUM_SAMPLES, temperature=1.0, max_tokens=4)).token_ids[0])
+            engine.load_drafter(fixture["bad_drafter"])
+            for _ in range(2):
+                bad = engine.generate(PROMPTS, greedy)
+            out["bad_depths"] = bad.step_depths
+            out["greedy_bad_drafter"] = [r[0] for r in bad.token_ids]
+            out["bad_summary"] = engine.bandit_summary()
+            engine.load_bandit_state(saved)
+            out["restored_summary"] = engine.bandit_summary()
+        finally:
+            engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def adaptive(tmp_path_factory):
+    return run_on_ranks(_adaptive_engine_on_rank, 1, str(tmp_path_factory.mktemp("adaptive")), isolated=True)[0]
+
+
+@pytest.fixture(scope="module")
+def exact():
+    return next_token_fixture(architecture_from_dict(TINY_LLAMA_ROLLOUT))["next_probs"]
+
+
+def test_with_a_drafter_that_is_always_right_the_bandit_settles_on_the_deepest_speculation(adaptive):
+    depths = adaptive["good_depths"]
+    assert len(depths) == len(adaptive["good_batches"]) > 10
+    # untried arms first, each chosen twice: a step's reward is known only after the next step is scheduled
+    assert depths[:8] == [0, 0, 1, 1, 2, 2, 3, 3]
+    settled = depths[len(depths) // 2:]
+    assert settled.count(K) / len(settled) > 0.8, depths
+    assert adaptive["good_summary"]["5-8"]["best"] == K
+
+
+def test_with_a_drafter_that_is_never_right_it_turns_speculation_off(adaptive):
+    depths = adaptive["bad_depths"]
+    assert depths.count(0) / len(depths) > 0.75, depths
+    assert adaptive["bad_summary"]["5-8"]["best"] == 0
+
+
+def test_greedy_output_is_the_same_whatever_depth_each_step_ran(adaptive, exact):
+    for prompt, tokens in zip(PROMPTS, adaptive["greedy"]):
+        chain, current = [], prompt[-1]
+        for _ in range(96):
+            current = int(exact[current].argmax())
+            chain.append(current)
+        assert tokens == chain
+    assert adaptive["greedy_bad_drafter"] == adaptive["greedy"]
+
+
+def test_sampling_with_per_step_depths_matches_the_targets_distribution(adaptive, exact):
+    p_values = goodness_of_fit_p_values(adaptive["samples"], exact)
+    assert min(p_values) > SIGNIFICANCE, p_values
+
+
+def test_a_pinned_depth_runs_every_step_at_it(adaptive):
+    assert set(adaptive["pinned_depths"]) == {1}
+
+
+def test_bandit_state_saved_and_loaded_restores_what_it_had_learned(adaptive):
+    assert adaptive["restored_summary"] == adaptive["good_summary"]
+    assert adaptive["restored_summary"] != adaptive["bad_summary"]
