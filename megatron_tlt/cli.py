@@ -2,6 +2,7 @@
 
   tlt train [--config NAME|PATH] [--resume RUN_DIR] [key=value ...]   RL training (default: the tiny task)
   tlt warmup-drafter --out DIR [--config NAME|PATH] [--policy RUN|CKPT] [key=value ...]   drafter cold start
+  tlt bench rollout [--config NAME|PATH] [--policy RUN|CKPT] [--drafter DIR|RUN] [--depths 1,2,3,4] [key=value ...]
   tlt convert hf-to-mcore --hf DIR --out DIR --tp N --pp M [--dtype float32|bfloat16|float16]
   tlt convert mcore-to-hf --ckpt DIR --out DIR
 
@@ -55,6 +56,24 @@ def _cmd_warmup_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_rollout(args: argparse.Namespace) -> int:
+    from megatron_tlt.rl.run import start_rollout_bench
+    from megatron_tlt.spec.rollout_bench import RolloutBenchSettings, format_figures, write_figures
+
+    try:
+        depths = tuple(int(k) for k in args.depths.split(","))
+    except ValueError:
+        raise ValueError(f"--depths must be comma-separated integers, got '{args.depths}'") from None
+    settings = RolloutBenchSettings(prompts=args.prompts, depths=depths, rounds=args.rounds,
+                                    bandit_warmup_rollouts=args.bandit_warmup)
+    figures = start_rollout_bench(args.config, args.overrides, policy=args.policy, drafter=args.drafter,
+                                  settings=settings)
+    print(format_figures(figures))
+    if args.json:
+        write_figures(figures, args.json)
+    return 0
+
+
 def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
     from checkpoints_tools.hf_to_mcore import convert_hf_to_mcore
 
@@ -95,6 +114,25 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--draft-tokens", type=int, default=2, help="draft depth of the acceptance measurement")
     warm.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. drafter.lr=3e-3")
     warm.set_defaults(func=_cmd_warmup_drafter)
+
+    bench = commands.add_parser("bench", help="benchmarks of the TLT pieces")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    rollout = benches.add_parser("rollout", help="one rollout without speculation, at fixed depths and with "
+                                                 "BEG-MAB, side by side in one process (greedy, lossless check)")
+    rollout.add_argument("--config", default="tiny", help="config name under launch/configs or a YAML path")
+    rollout.add_argument("--policy", default=None, metavar="RUN|CKPT",
+                         help="policy: a run directory or checkpoint (default: the config's initial policy)")
+    rollout.add_argument("--drafter", default=None, metavar="DIR|RUN",
+                         help="EAGLE drafter directory or a run (its latest drafter checkpoint); default: a "
+                              "warm-up drafter of the initial policy, made on first use and cached")
+    rollout.add_argument("--prompts", type=int, default=64, help="prompts in the rollout (greedy, one response each)")
+    rollout.add_argument("--depths", default="1,2,3,4", help="fixed depths to compare (the bandit picks among 0 and these)")
+    rollout.add_argument("--rounds", type=int, default=3, help="rounds; each runs every mode once")
+    rollout.add_argument("--bandit-warmup", type=int, default=10, metavar="N",
+                         help="untimed BEG-MAB rollouts before the timed rounds (it learns across rollouts)")
+    rollout.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    rollout.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. speculation.epsilon=0.2")
+    rollout.set_defaults(func=_cmd_bench_rollout)
 
     convert = commands.add_parser("convert", help="convert checkpoints between HF and Megatron")
     directions = convert.add_subparsers(dest="direction", required=True)

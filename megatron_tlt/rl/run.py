@@ -95,3 +95,62 @@ def start_drafter_warmup(config_name: str | None, overrides: list[str], *, polic
     results = run_on_ranks(_warm_up_drafter_on_rank, world_size(config), config, policy_dir, out_dir, settings,
                            isolated=True)
     return results[0]
+
+
+def _bench_rollout_on_rank(config, policy_dir, drafter_dir: str, settings):
+    from megatron_tlt.spec.rollout_bench import bench_on_rank  # imported in the rank: Megatron, vLLM
+
+    return bench_on_rank(config, policy_dir, drafter_dir, settings)
+
+
+def _resolve_drafter_dir(path: str) -> Path:
+    """An EAGLE drafter directory, or a run directory (its latest drafter checkpoint)."""
+    from megatron_tlt.drafter.checkpointer import list_drafter_checkpoints
+
+    directory = Path(path)
+    if (directory / "model.safetensors").is_file():
+        return directory
+    found = list_drafter_checkpoints(directory)
+    if not found:
+        raise ValueError(f"{path}: neither an EAGLE drafter directory (model.safetensors) nor a run with "
+                         "drafter checkpoints")
+    return found[-1][1]
+
+
+# The benchmarks' drafter: a warm-up on every prompt of the tiny default, standing in for a drafter the
+# spot trainer has kept up with the policy (its top-1 agreement reached 0.84 in 40 RL steps).
+BENCH_DRAFTER_PROMPTS, BENCH_DRAFTER_EPOCHS = 4096, 4
+
+
+def bench_drafter(config_name: str | None, overrides: list[str]) -> Path:
+    """The benchmarks' warm-up drafter of the config's initial policy, made on first use and cached."""
+    import dataclasses
+
+    from megatron_tlt.drafter.cold_start import ColdStartSettings
+    from megatron_tlt.rl import tiny_default
+
+    config = load_config(config_name, overrides)
+    settings = ColdStartSettings(prompts=BENCH_DRAFTER_PROMPTS, epochs=BENCH_DRAFTER_EPOCHS)
+    key = tiny_default.cache_key(warmup=dataclasses.asdict(config.warmup), model=dataclasses.asdict(config.model),
+                                 drafter=dataclasses.asdict(config.drafter), cold_start=dataclasses.asdict(settings))
+    directory = tiny_default.cache_root(config.warmup.cache_dir) / f"drafter-{key}"
+    if not (directory / "model.safetensors").is_file():
+        print(f"no drafter given: warming one up on the initial policy (cached in {directory})", flush=True)
+        start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), settings=settings)
+    return directory
+
+
+def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy: str | None, drafter: str | None,
+                        settings) -> dict:
+    """``tlt bench rollout``: no speculation vs fixed depths vs BEG-MAB on one rollout, in one rank process."""
+    from megatron_tlt.drafter.cold_start import resolve_policy_dir
+    from megatron_tlt.launcher import run_on_ranks
+
+    config = load_config(config_name, overrides)
+    if settings.prompts < 1 or settings.rounds < 1 or not settings.depths or min(settings.depths) < 1:
+        raise ValueError("--prompts and --rounds must be >= 1 and --depths a list of depths >= 1")
+    _check_layout(config)
+    policy_dir = str(resolve_policy_dir(policy)) if policy is not None else None
+    drafter_dir = _resolve_drafter_dir(drafter) if drafter is not None else bench_drafter(config_name, overrides)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    return run_on_ranks(_bench_rollout_on_rank, 1, config, policy_dir, str(drafter_dir), settings, isolated=True)[0]

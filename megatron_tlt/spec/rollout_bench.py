@@ -1,0 +1,169 @@
+"""``tlt bench rollout``: the long-tail rollout of the tiny default, without and with speculation, in one process.
+
+Two engines hold the same policy side by side: one without speculation (the baseline), one with an EAGLE
+drafter and the BEG-MAB scheduler, run either at a pinned depth K (fixed-K speculation) or with the bandit
+choosing each step's depth. Every round runs every mode once on the same prompts, greedy, so the modes
+share the machine's slow and quiet spells and their outputs must be identical token for token (speculation
+is lossless). The bandit keeps what it learned from round to round, as it does from RL step to RL step; a
+first, untimed round of every mode warms the engines, then BEG-MAB learns over a few more untimed
+rollouts (in an RL run it learns over hundreds), and its cold first rollout is reported beside the
+timed ones.
+
+Reported per mode: wall time, generated tokens/s, mean acceptance length, speedup over no speculation, and
+the speedup on the long-tail phase (the engine steps after half the sequences have finished).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+import tempfile
+from pathlib import Path
+
+from megatron_tlt.config import TLTConfig
+
+logger = logging.getLogger(__name__)
+
+NO_SPECULATION = "no speculation"
+BANDIT = "BEG-MAB"
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutBenchSettings:
+    prompts: int = 64
+    """Prompts in the rollout (greedy, one response each): one rank's share of a tiny-default step is 64."""
+    depths: tuple[int, ...] = (1, 2, 3, 4)
+    """Fixed depths to compare; the bandit chooses among 0 and these."""
+    rounds: int = 3
+    bandit_warmup_rollouts: int = 10
+    """Untimed BEG-MAB rollouts before the timed rounds: in an RL run the bandit learns over hundreds of
+    rollouts (its state is kept from step to step); one rollout here has only ~60 engine steps."""
+
+
+@dataclasses.dataclass
+class ModeRun:
+    seconds: float
+    tokens: int
+    tail_seconds: float
+    acceptance_length: float
+    token_ids: list
+
+
+def _tail_seconds(batch_sizes: list[int], step_seconds: list[float]) -> float:
+    """Time of the engine steps once at most half the sequences are still generating."""
+    if not batch_sizes:
+        return 0.0
+    half = batch_sizes[0] / 2
+    return sum(s for b, s in zip(batch_sizes, step_seconds) if b <= half)
+
+
+def _run(engine, prompts, sampling) -> ModeRun:
+    result = engine.generate(prompts, sampling)
+    return ModeRun(result.seconds, result.num_generated_tokens, _tail_seconds(result.step_batch_sizes, result.step_seconds),
+                   result.spec.mean_acceptance_length if result.spec.num_drafts else 1.0, result.token_ids)
+
+
+def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, settings: RolloutBenchSettings) -> dict:
+    """One process: build both engines, run ``rounds`` x every mode, return the figures."""
+    from megatron_tlt import mcore
+    from megatron_tlt.drafter import store
+    from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES
+    from megatron_tlt.parallel import ParallelLayout
+    from megatron_tlt.rl import policy_source
+    from megatron_tlt.rl.task import engine_config_for, load_task, sampling_settings
+    from megatron_tlt.rl.weight_sync import sync_policy_to_engine
+    from megatron_tlt.spec.bandit import BanditSettings
+    from megatron_tlt.spec.engine import RolloutEngine, SpeculativeSettings
+
+    s = config.speculation
+    max_depth = max(settings.depths)
+    bandit = BanditSettings(bucket_bounds=tuple(s.bucket_bounds), depths=(0, *settings.depths), epsilon=s.epsilon,
+                            window=s.window, max_speculative_batch=s.max_speculative_batch, seed=config.trainer.seed)
+    with ParallelLayout(seed=config.trainer.seed), tempfile.TemporaryDirectory(prefix="tlt-bench-rollout-") as workdir:
+        task = load_task(config)
+        source = (Path(policy_dir) if policy_dir is not None
+                  else policy_source.initial_policy_dir(config, task.tokenizer, task.arch, show_progress=True))
+        model = policy_source.load_policy(config, task.arch, source)
+        drafter = store.read_drafter_tensors(drafter_dir, task.arch)
+        engine_config = engine_config_for(config, task)
+        plain = RolloutEngine(task.arch, engine_config, workdir=Path(workdir) / "plain", rank=0)
+        speculative = RolloutEngine(task.arch, engine_config, workdir=Path(workdir) / "spec", rank=0,
+                                    speculative=SpeculativeSettings(num_speculative_tokens=max_depth, adaptive=bandit),
+                                    drafter=drafter)
+        try:
+            padded = task.arch.padded_vocab_size(mcore.stage_info().tp_size)
+            for engine in (plain, speculative):
+                sync_policy_to_engine(model, task.arch, engine, keep=POLICY_HEAD_NAMES, padded_vocab_size=padded)
+            speculative.load_drafter(drafter)  # the policy reload replaced it
+            examples = (list(task.held_out) + list(task.dataset.examples))[: settings.prompts]
+            prompts = [e.prompt_ids for e in examples]
+            greedy = sampling_settings(config, task.tokenizer, n=1, temperature=0.0, seed=None)
+            modes = [NO_SPECULATION, *(f"K={k}" for k in settings.depths), BANDIT]
+            runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
+            for round_index in range(-1, settings.rounds):  # round -1: untimed warm-up
+                if round_index == 0:
+                    cold_bandit = runs[BANDIT].pop()
+                    runs = {m: [] for m in modes}
+                    for _ in range(settings.bandit_warmup_rollouts):
+                        speculative.generate(prompts, greedy)
+                for mode in modes:
+                    if mode == NO_SPECULATION:
+                        runs[mode].append(_run(plain, prompts, greedy))
+                        continue
+                    speculative.pin_speculation_depth(None if mode == BANDIT else int(mode[2:]))
+                    runs[mode].append(_run(speculative, prompts, greedy))
+                logger.info("round %d of %d done", round_index + 1, settings.rounds)
+            figures = _figures(runs, speculative.bandit_summary(), len(prompts))
+            figures["bandit_cold_first_rollout_speedup"] = (
+                statistics.fmean(r.seconds for r in runs[NO_SPECULATION]) / cold_bandit.seconds)
+            return figures
+        finally:
+            speculative.close()
+            plain.close()
+
+
+def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: int) -> dict:
+    base = runs[NO_SPECULATION]
+    reference = base[0].token_ids
+    base_seconds = sum(r.seconds for r in base)
+    base_tail = sum(r.tail_seconds for r in base)
+    modes = {}
+    for mode, mode_runs in runs.items():
+        seconds = sum(r.seconds for r in mode_runs)
+        tail = sum(r.tail_seconds for r in mode_runs)
+        modes[mode] = {
+            "seconds_per_rollout": seconds / len(mode_runs),
+            "tokens_per_second": sum(r.tokens for r in mode_runs) / seconds,
+            "mean_acceptance_length": statistics.fmean(r.acceptance_length for r in mode_runs),
+            "speedup": base_seconds / seconds,
+            "long_tail_speedup": base_tail / tail if tail > 0 else float("nan"),
+            "greedy_identical": all(r.token_ids == reference for r in mode_runs),
+        }
+    fixed = [m for m in modes if m.startswith("K=")]
+    best_fixed = max(fixed, key=lambda m: modes[m]["speedup"])
+    return {"prompts": num_prompts, "rounds": len(base), "modes": modes, "best_fixed": best_fixed,
+            "bandit_over_best_fixed": modes[BANDIT]["speedup"] / modes[best_fixed]["speedup"],
+            "all_greedy_identical": all(m["greedy_identical"] for m in modes.values()),
+            "bandit": bandit_summary}
+
+
+def format_figures(figures: dict) -> str:
+    lines = [f"{'mode':16s} {'s/rollout':>9s} {'tokens/s':>9s} {'accept':>7s} {'speedup':>8s} {'tail':>7s}  greedy"]
+    for mode, m in figures["modes"].items():
+        lines.append(f"{mode:16s} {m['seconds_per_rollout']:9.2f} {m['tokens_per_second']:9.1f} "
+                     f"{m['mean_acceptance_length']:7.2f} {m['speedup']:7.2f}x {m['long_tail_speedup']:6.2f}x  "
+                     f"{'identical' if m['greedy_identical'] else 'DIFFERENT'}")
+    lines.append(f"BEG-MAB / best fixed ({figures['best_fixed']}): {figures['bandit_over_best_fixed']:.3f}; "
+                 f"{figures['prompts']} prompts x {figures['rounds']} rounds; greedy outputs identical across all "
+                 f"modes: {figures['all_greedy_identical']}")
+    lines.append(f"BEG-MAB's first rollout, before it had tried its arms (untimed): "
+                 f"{figures['bandit_cold_first_rollout_speedup']:.2f}x")
+    lines.append("BEG-MAB's best depth per batch-size bucket: " + ", ".join(
+        f"{bucket}: {v['best']}" for bucket, v in figures["bandit"].items() if v["best"] is not None))
+    return "\n".join(lines)
+
+
+def write_figures(figures: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(figures, indent=1))
