@@ -49,6 +49,8 @@ class ModeRun:
     tail_seconds: float
     acceptance_length: float
     token_ids: list
+    step_batch_sizes: list
+    step_seconds: list
 
 
 def _tail_seconds(batch_sizes: list[int], step_seconds: list[float]) -> float:
@@ -62,7 +64,8 @@ def _tail_seconds(batch_sizes: list[int], step_seconds: list[float]) -> float:
 def _run(engine, prompts, sampling) -> ModeRun:
     result = engine.generate(prompts, sampling)
     return ModeRun(result.seconds, result.num_generated_tokens, _tail_seconds(result.step_batch_sizes, result.step_seconds),
-                   result.spec.mean_acceptance_length if result.spec.num_drafts else 1.0, result.token_ids)
+                   result.spec.mean_acceptance_length if result.spec.num_drafts else 1.0, result.token_ids,
+                   result.step_batch_sizes, result.step_seconds)
 
 
 def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, settings: RolloutBenchSettings) -> dict:
@@ -116,6 +119,7 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
                     runs[mode].append(_run(speculative, prompts, greedy))
                 logger.info("round %d of %d done", round_index + 1, settings.rounds)
             figures = _figures(runs, speculative.bandit_summary(), len(prompts))
+            figures["seconds_by_bucket"] = _seconds_by_bucket(runs, bandit)
             figures["bandit_cold_first_rollout_speedup"] = (
                 statistics.fmean(r.seconds for r in runs[NO_SPECULATION]) / cold_bandit.seconds)
             return figures
@@ -147,6 +151,22 @@ def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: 
             "bandit_over_best_fixed": modes[BANDIT]["speedup"] / modes[best_fixed]["speedup"],
             "all_greedy_identical": all(m["greedy_identical"] for m in modes.values()),
             "bandit": bandit_summary}
+
+
+def _seconds_by_bucket(runs: dict[str, list[ModeRun]], settings) -> dict[str, dict[str, float]]:
+    """Per mode, engine-step seconds per rollout spent at each batch-size bucket: where a mode wins."""
+    from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
+
+    buckets = BucketedEpsilonGreedy(settings, max_depth=max(settings.depths))
+    table = {}
+    for mode, mode_runs in runs.items():
+        sums: dict[str, float] = {}
+        for run in mode_runs:
+            for batch, seconds in zip(run.step_batch_sizes, run.step_seconds):
+                label = buckets.bucket_label(buckets.bucket_of(batch))
+                sums[label] = sums.get(label, 0.0) + seconds / len(mode_runs)
+        table[mode] = sums
+    return table
 
 
 def format_figures(figures: dict) -> str:

@@ -1,0 +1,75 @@
+"""End to end: the tiny default with TLT fully on (spot trainer + BEG-MAB speculation) vs TLT off.
+
+    python bench/tlt_end_to_end.py                       # 40 steps each, the tiny default
+    python bench/tlt_end_to_end.py --steps 20 -- rollout.max_response_tokens=256
+
+Both runs use the same seeds and the same number of steps. TLT on starts its drafter from the benchmarks'
+cached warm-up drafter of the initial policy (``rl/run.bench_drafter``, made on first use, as ``tlt bench
+rollout`` does), speculates up to depth ``--depth`` with BEG-MAB choosing per engine step, and trains the drafter
+on idle ranks. Prints the step-time ratio (total and per phase), and the reward and accuracy curves of
+both runs side by side (sampling differs between them: speculative rollouts on CPU draw from the
+engine's RNG, so the curves are compared for being within noise, not for equality).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+PHASES = ("rollout_seconds", "logprob_seconds", "update_seconds", "sync_seconds", "step_seconds")
+
+
+def _run(run_dir: Path, overrides: list[str]) -> list[dict]:
+    subprocess.run(["tlt", "train", f"trainer.run_dir={run_dir}", *overrides], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _window_mean(records: list[dict], key: str, start: int, end: int) -> float:
+    return statistics.fmean(r[key] for r in records[start:end])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--depth", type=int, default=4, help="deepest speculation BEG-MAB may choose")
+    parser.add_argument("--drafter", default=None, help="initial drafter directory (default: the cached warm-up)")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
+    args = parser.parse_args()
+    if args.drafter is None:
+        from megatron_tlt.rl.run import bench_drafter
+
+        args.drafter = str(bench_drafter(None, args.overrides))
+    common = [f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0", *args.overrides]
+    tlt_on = [f"drafter.speculative_tokens={args.depth}", "drafter.spot_training=true", "speculation.adaptive=true",
+              f"drafter.init_dir={args.drafter}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        off = _run(Path(tmp) / "off", common)
+        on = _run(Path(tmp) / "on", common + tlt_on)
+    # step 1 holds the engines' first-call costs in both runs; leave it out of the time ratio
+    for key in PHASES:
+        a, b = sum(r[key] for r in off[1:]), sum(r[key] for r in on[1:])
+        print(f"  {key:16s} TLT off {a:8.2f}s  TLT on {b:8.2f}s  speedup {a / b:5.2f}x")
+    print("  step   reward off / on    accuracy off / on    acceptance (TLT on)")
+    chunk = max(1, args.steps // 8)
+    for start in range(0, args.steps, chunk):
+        end = min(start + chunk, args.steps)
+        accept = [r.get("spec/mean_acceptance_length", float("nan")) for r in on[start:end]]
+        print(f"  {start + 1:3d}-{end:<3d} {_window_mean(off, 'reward_mean', start, end):.3f} / "
+              f"{_window_mean(on, 'reward_mean', start, end):.3f}      "
+              f"{_window_mean(off, 'accuracy', start, end):.3f} / {_window_mean(on, 'accuracy', start, end):.3f}"
+              f"          {statistics.fmean(accept):.2f}")
+    half = args.steps // 2
+    print(f"  last {args.steps - half} steps: reward off {_window_mean(off, 'reward_mean', half, args.steps):.3f}, "
+          f"on {_window_mean(on, 'reward_mean', half, args.steps):.3f}; reward std over steps (off) "
+          f"{statistics.stdev(r['reward_mean'] for r in off[half:]):.3f}")
+    total = sum(r["step_seconds"] for r in off[1:]) / sum(r["step_seconds"] for r in on[1:])
+    print(f"end-to-end step time, TLT off / on over steps 2-{args.steps}: {total:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
