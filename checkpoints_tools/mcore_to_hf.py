@@ -41,6 +41,7 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, max_shard_
         run_on_ranks(_export_on_rank, 1, str(ckpt_dir), str(staging), max_shard_size)
         config = dict(meta.hf_config)
         config["architectures"] = [arch.architecture]
+        config.setdefault("model_type", arch.family)  # transformers' AutoConfig needs it (the tiny default's has none)
         config["torch_dtype"] = meta.dtype
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         copy_tokenizer_files(ckpt_dir, staging)

@@ -4,7 +4,9 @@
   tlt warmup-drafter --out DIR [--config NAME|PATH] [--policy RUN|CKPT] [key=value ...]   drafter cold start
   tlt bench rollout [--config NAME|PATH] [--policy RUN|CKPT] [--drafter DIR|RUN] [--depths 1,2,3,4] [key=value ...]
   tlt convert hf-to-mcore --hf DIR --out DIR --tp N --pp M [--dtype float32|bfloat16|float16]
-  tlt convert mcore-to-hf --ckpt DIR --out DIR
+  tlt convert mcore-to-hf --ckpt RUN|CKPT --out DIR
+  tlt plan --model CONFIG --nodes N --gpus-per-node G [--tp T --pp P ...]   layout + per-GPU memory
+  tlt export-drafter --ckpt RUN|CKPT --out DIR [--format vllm|sglang]   a serving EAGLE drafter
 
 Bad input ends with one line, ``tlt: error: ...``, naming the problem, and exit code 2.
 """
@@ -84,9 +86,26 @@ def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
 
 def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     from checkpoints_tools.mcore_to_hf import convert_mcore_to_hf
+    from megatron_tlt.rl.checkpoint import resolve_policy_dir
 
-    out = convert_mcore_to_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size)
-    print(f"wrote HF model to {out}")
+    ckpt = resolve_policy_dir(args.ckpt)  # a run's latest checkpoint, a checkpoint or a policy checkpoint
+    out = convert_mcore_to_hf(ckpt, args.out, max_shard_size=args.max_shard_size)
+    print(f"wrote HF model of {ckpt} to {out}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megatron_tlt.plan import run
+
+    return run(args)
+
+
+def _cmd_export_drafter(args: argparse.Namespace) -> int:
+    from checkpoints_tools.export_drafter import export_drafter, resolve_drafter_dir
+
+    source = resolve_drafter_dir(args.ckpt)
+    out = export_drafter(source, args.out, fmt=args.format)
+    print(f"wrote the {args.format} EAGLE drafter of {source} to {out} (serving flags in {out}/README.md)")
     return 0
 
 
@@ -145,10 +164,25 @@ def build_parser() -> argparse.ArgumentParser:
                           help="parameter dtype (default: that of the HF tensors)")
     to_mcore.set_defaults(func=_cmd_hf_to_mcore)
     to_hf = directions.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors")
-    to_hf.add_argument("--ckpt", required=True, help="checkpoint directory written by megatron-tlt")
+    to_hf.add_argument("--ckpt", required=True, metavar="RUN|CKPT",
+                       help="a run directory (its latest checkpoint), a checkpoint or a policy checkpoint")
     to_hf.add_argument("--out", required=True, help="new output directory")
     to_hf.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (e.g. 2GB, 500MB)")
     to_hf.set_defaults(func=_cmd_mcore_to_hf)
+
+    from megatron_tlt import plan as layout_plan  # argparse and the planner's dataclasses only
+
+    plan = commands.add_parser("plan", help="check a TP x PP x DP layout and estimate per-GPU memory",
+                               description=layout_plan.DESCRIPTION)
+    layout_plan.add_arguments(plan)
+    plan.set_defaults(func=_cmd_plan)
+
+    export = commands.add_parser("export-drafter", help="write a run's drafter as a vLLM or SGLang EAGLE checkpoint")
+    export.add_argument("--ckpt", required=True, metavar="RUN|CKPT",
+                        help="a run (its latest drafter), a drafter checkpoint (RUN/drafter/step_N) or a drafter dir")
+    export.add_argument("--out", required=True, help="new output directory")
+    export.add_argument("--format", choices=["vllm", "sglang"], default="vllm", help="serving engine (default vllm)")
+    export.set_defaults(func=_cmd_export_drafter)
     return parser
 
 

@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_tlt import mcore, policy
+from megatron_tlt import mcore
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter import store
 from megatron_tlt.drafter.precision import resolve_precision
 from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES, DrafterTrainer, DrafterTrainingSettings
-from megatron_tlt.hf_io import CheckpointError, atomic_output_dir
-from megatron_tlt.rl import checkpoint, policy_source
+from megatron_tlt.hf_io import atomic_output_dir
+from megatron_tlt.rl import policy_source
 from megatron_tlt.rl.actor import compute_logprobs
 from megatron_tlt.rl.data import PromptExample
 from megatron_tlt.rl.task import Task, engine_config_for, load_task, sampling_settings
@@ -48,20 +48,6 @@ class ColdStartSettings:
     epochs: int = 3
     draft_tokens: int = 2
     """Draft depth of the acceptance measurement."""
-
-
-def resolve_policy_dir(path: str | Path) -> Path:
-    """A policy checkpoint directory from a run directory (its latest checkpoint), a checkpoint
-    (``checkpoints/step_N``) or a policy checkpoint itself."""
-    path = Path(path)
-    if (path / policy.META_FILE).is_file():
-        return path
-    if (path / checkpoint.TRAINER_META).is_file():
-        return path / checkpoint.POLICY_SUBDIR
-    latest = checkpoint.latest_checkpoint(path)
-    if latest is not None:
-        return latest / checkpoint.POLICY_SUBDIR
-    raise CheckpointError(f"{path}: not a run directory, a checkpoint or a policy checkpoint")
 
 
 def _split_prompts(task: Task, settings: ColdStartSettings) -> tuple[list[PromptExample], list[PromptExample]]:

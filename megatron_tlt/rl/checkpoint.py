@@ -136,3 +136,17 @@ def load_checkpoint_state(ckpt: Path, *, optimizer) -> dict:
     if not trainer_file.is_file():  # resumed on more ranks than saved: rank 0's RNG, the sampler re-slices
         trainer_file = ckpt / "trainer" / "rank0.pt"
     return torch.load(trainer_file, weights_only=False)
+
+
+def resolve_policy_dir(path: str | Path) -> Path:
+    """A policy checkpoint directory from a run directory (its latest checkpoint), a checkpoint
+    (``checkpoints/step_N``) or a policy checkpoint itself."""
+    path = Path(path)
+    if (path / policy.META_FILE).is_file():
+        return path
+    if (path / TRAINER_META).is_file():
+        return path / POLICY_SUBDIR
+    latest = latest_checkpoint(path)
+    if latest is not None:
+        return latest / POLICY_SUBDIR
+    raise CheckpointError(f"{path}: not a run directory, a checkpoint or a policy checkpoint")

