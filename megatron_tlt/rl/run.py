@@ -46,27 +46,40 @@ def _check_layout(config) -> None:
 
 def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str | None = None):
     """Run to ``trainer.steps``; returns (run directory, summary records)."""
-    from megatron_tlt.launcher import run_on_ranks
+    from megatron_tlt.launcher import launched_world_size, run_on_ranks
     from megatron_tlt.rl import checkpoint
 
     config = _load(config_name, overrides, resume_dir)
     _check_layout(config)  # before any directory is made or rank started
+    launched = launched_world_size()
+    under_torchrun = launched is not None
+    if under_torchrun and launched != world_size(config):  # else each rank would start a world of its own
+        raise ValueError(f"torchrun started {launched} ranks but the config needs tensor x pipeline x data "
+                         f"parallel = {world_size(config)}; set parallel.data_parallel_size to match")
+    # Under torchrun every rank runs this function: only global rank 0 writes the run directory; the
+    # others wait for it at the barrier in train_on_rank.
+    writer = not under_torchrun or int(os.environ.get("RANK", "0")) == 0
     if resume_dir is not None:
         run_dir = Path(resume_dir)
         if checkpoint.latest_checkpoint(run_dir) is None:
             raise run_files.RunDirError(f"{run_dir}: no complete checkpoint to resume from")
         config.trainer.run_dir = str(run_dir)
-        run_files.write_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))  # overrides (e.g. more steps) stick
+        if writer:
+            run_files.write_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))  # overrides (e.g. more steps) stick
     else:
+        if under_torchrun and config.trainer.run_dir is None and world_size(config) > 1:
+            raise run_files.RunDirError("under torchrun set trainer.run_dir (a directory every rank sees): "
+                                        "each rank would otherwise make its own time-stamped directory")
         run_dir = Path(config.trainer.run_dir or run_files.default_run_dir())
         config.trainer.run_dir = str(run_dir)
-        run_files.prepare_new_run_dir(run_dir, to_yaml(config))
+        if writer:
+            run_files.prepare_new_run_dir(run_dir, to_yaml(config))
     # vLLM warns about things that do not apply here (no tokenizer by design, the rotary embedding
     # having no weights to reload); keep the console for progress and results.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     results = run_on_ranks(_train_on_rank, world_size(config), config, str(run_dir), resume_dir is not None,
                            isolated=True)
-    return run_dir, results[0]
+    return run_dir, results.get(0)  # under torchrun each rank holds only its own result (records on rank 0)
 
 
 def _warm_up_drafter_on_rank(config, policy_dir, out_dir: str, settings):

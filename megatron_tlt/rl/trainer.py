@@ -533,6 +533,7 @@ def train_on_rank(config: TLTConfig, run_dir: str, resume: bool) -> list[dict] |
     layout = ParallelLayout(tensor_parallel_size=config.parallel.tensor_parallel_size,
                             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
                             seed=config.trainer.seed).initialize()
+    dist.barrier()  # under torchrun, rank 0 has prepared the run directory (rl/run.py: start_run)
     trainer = None
     try:
         trainer = RLTrainer(config, Path(run_dir), resume=resume)
