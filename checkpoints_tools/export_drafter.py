@@ -21,25 +21,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_tlt.drafter import store
+from megatron_tlt.drafter.checkpointer import resolve_drafter_dir
 from megatron_tlt.hf_io import CheckpointError, atomic_output_dir, check_output_dir
 
 FORMATS = ("vllm", "sglang")
 SGLANG_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
 DEFAULT_SPECULATIVE_TOKENS = 3
-
-
-def resolve_drafter_dir(path: str | Path) -> Path:
-    """An EAGLE drafter directory from itself, a run's ``drafter/step_N`` or a run (its latest drafter)."""
-    from megatron_tlt.drafter.checkpointer import list_drafter_checkpoints
-
-    path = Path(path)
-    if (path / store.WEIGHTS_FILE).is_file():
-        return path
-    found = list_drafter_checkpoints(path)
-    if not found:
-        raise CheckpointError(f"{path}: neither a drafter directory ({store.WEIGHTS_FILE}) nor a run with drafter "
-                              "checkpoints (drafter/step_N)")
-    return found[-1][1]
 
 
 def _target_family(tensors: dict[str, torch.Tensor]) -> str:

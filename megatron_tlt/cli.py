@@ -101,7 +101,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_drafter(args: argparse.Namespace) -> int:
-    from checkpoints_tools.export_drafter import export_drafter, resolve_drafter_dir
+    from checkpoints_tools.export_drafter import export_drafter
+    from megatron_tlt.drafter.checkpointer import resolve_drafter_dir
 
     source = resolve_drafter_dir(args.ckpt)
     out = export_drafter(source, args.out, fmt=args.format)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from megatron_tlt.drafter import store
+from megatron_tlt.hf_io import CheckpointError
 from megatron_tlt.model_config import PolicyArchitecture
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,18 @@ def drafter_checkpoint_for(run_dir: Path, step: int) -> tuple[int, Path] | None:
     """The drafter checkpoint to resume step ``step`` with: the newest one not after it."""
     usable = [(s, p) for s, p in list_drafter_checkpoints(run_dir) if s <= step]
     return usable[-1] if usable else None
+
+
+def resolve_drafter_dir(path: str | Path) -> Path:
+    """An EAGLE drafter directory from itself, a run's ``drafter/step_N`` or a run (its latest drafter)."""
+    path = Path(path)
+    if (path / store.WEIGHTS_FILE).is_file():
+        return path
+    found = list_drafter_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path}: neither a drafter directory ({store.WEIGHTS_FILE}) nor a run with "
+                              "drafter checkpoints (drafter/step_N)")
+    return found[-1][1]
 
 
 def _to_cpu(value):

@@ -116,20 +116,6 @@ def _bench_rollout_on_rank(config, policy_dir, drafter_dir: str, settings):
     return bench_on_rank(config, policy_dir, drafter_dir, settings)
 
 
-def _resolve_drafter_dir(path: str) -> Path:
-    """An EAGLE drafter directory, or a run directory (its latest drafter checkpoint)."""
-    from megatron_tlt.drafter.checkpointer import list_drafter_checkpoints
-
-    directory = Path(path)
-    if (directory / "model.safetensors").is_file():
-        return directory
-    found = list_drafter_checkpoints(directory)
-    if not found:
-        raise ValueError(f"{path}: neither an EAGLE drafter directory (model.safetensors) nor a run with "
-                         "drafter checkpoints")
-    return found[-1][1]
-
-
 # The benchmarks' drafter: a warm-up on every prompt of the tiny default, standing in for a drafter the
 # spot trainer has kept up with the policy (its top-1 agreement reached 0.84 in 40 RL steps).
 BENCH_DRAFTER_PROMPTS, BENCH_DRAFTER_EPOCHS = 4096, 4
@@ -164,6 +150,8 @@ def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy
         raise ValueError("--prompts and --rounds must be >= 1 and --depths a list of depths >= 1")
     _check_layout(config)
     policy_dir = str(resolve_policy_dir(policy)) if policy is not None else None
-    drafter_dir = _resolve_drafter_dir(drafter) if drafter is not None else bench_drafter(config_name, overrides)
+    from megatron_tlt.drafter.checkpointer import resolve_drafter_dir
+
+    drafter_dir = resolve_drafter_dir(drafter) if drafter is not None else bench_drafter(config_name, overrides)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     return run_on_ranks(_bench_rollout_on_rank, 1, config, policy_dir, str(drafter_dir), settings, isolated=True)[0]

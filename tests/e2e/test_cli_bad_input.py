@@ -136,3 +136,15 @@ def test_train_tensor_parallel_not_dividing_heads_is_refused(tmp_path):
                   "trainer.prompts_per_step=3", f"trainer.run_dir={tmp_path / 'run'}")
     _assert_one_error_line(result, "tensor parallel size 3 does not divide num_attention_heads 4")
     assert not (tmp_path / "run").exists()
+
+
+def test_export_drafter_refuses_what_is_not_a_drafter_or_a_run(tmp_path):
+    out = tmp_path / "out"
+    _assert_clean_failure(_tlt("export-drafter", "--ckpt", str(tmp_path / "missing"), "--out", str(out)), out,
+                          "neither a drafter directory", "nor a run with drafter checkpoints")
+
+
+def test_plan_refuses_an_impossible_layout_through_the_cli():
+    result = _tlt("plan", "--model", "llama-3.3-70b", "--nodes", "8", "--gpus-per-node", "8", "--tp", "3")
+    assert result.returncode == 2 and "tlt plan: error: TP=3 refused" in result.stderr
+    assert "does not divide num_attention_heads 64" in result.stderr
