@@ -149,4 +149,5 @@ def resolve_policy_dir(path: str | Path) -> Path:
     latest = latest_checkpoint(path)
     if latest is not None:
         return latest / POLICY_SUBDIR
-    raise CheckpointError(f"{path}: not a run directory, a checkpoint or a policy checkpoint")
+    raise CheckpointError(f"{path}: not a megatron-tlt checkpoint: not a run directory, a checkpoint or a policy "
+                          f"checkpoint ({policy.META_FILE} missing)")
