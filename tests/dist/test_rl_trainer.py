@@ -255,8 +255,9 @@ def test_a_failure_inside_drafter_training_is_logged_and_the_rl_run_completes_un
     run_dir = tmp_path / "drafter-fault"
     faulty = dict(env, TLT_TEST_DRAFTER_FAULT_AT="2", PYTHONPATH=os.pathsep.join(
         [str(HELPERS / "drafter_fault"), env["PYTHONPATH"]]))
+    # all idle time trains (duty cycle 1), so the second micro-step surely comes in these 4 short steps
     result = _train(faulty, *SMALL, "trainer.steps=4", "drafter.spot_training=true", "drafter.pack_tokens=256",
-                    f"trainer.run_dir={run_dir}")
+                    "drafter.spot_duty_cycle=1.0", f"trainer.run_dir={run_dir}")
     assert "injected drafter training failure" in result.stderr and "drafter training failed" in result.stderr
     records = _summary(run_dir)
     assert any(r["drafter/failed"] for r in records)

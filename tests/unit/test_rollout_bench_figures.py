@@ -1,0 +1,33 @@
+"""`tlt bench rollout`'s arithmetic on synthetic runs: speedups, the long-tail phase, the lossless check."""
+
+import pytest
+
+from megatron_tlt.spec.rollout_bench import BANDIT, NO_SPECULATION, ModeRun, _figures, _tail_seconds, format_figures
+
+
+def _run(seconds: float, tokens=((1, 2, 3),), batches=(4, 4, 2, 1), steps=(0.1, 0.1, 0.2, 0.3)) -> ModeRun:
+    return ModeRun(seconds=seconds, tokens=60, tail_seconds=_tail_seconds(list(batches), list(steps)),
+                   acceptance_length=2.0, token_ids=[list(t) for t in tokens], step_batch_sizes=list(batches),
+                   step_seconds=list(steps))
+
+
+def test_the_long_tail_is_the_steps_once_half_the_sequences_are_done():
+    assert _tail_seconds([8, 8, 5, 4, 2, 1], [1, 1, 1, 1, 1, 1]) == 3  # batches 4, 2, 1
+    assert _tail_seconds([], []) == 0.0
+
+
+def test_speedups_are_against_no_speculation_and_the_bandit_against_the_best_fixed_depth():
+    runs = {NO_SPECULATION: [_run(2.0), _run(2.0)], "K=1": [_run(1.6), _run(1.6)], "K=2": [_run(1.0), _run(1.0)],
+            BANDIT: [_run(1.25), _run(1.25)]}
+    figures = _figures(runs, {"1": {"best": 2, "pulls": {}, "estimates": {}}}, num_prompts=3)
+    assert figures["modes"]["K=2"]["speedup"] == pytest.approx(2.0)
+    assert figures["best_fixed"] == "K=2" and figures["bandit_over_best_fixed"] == pytest.approx(0.8)
+    assert figures["all_greedy_identical"]
+    figures["bandit_cold_first_rollout_speedup"] = 1.0
+    assert "BEG-MAB / best fixed (K=2): 0.800" in format_figures(figures)
+
+
+def test_an_output_that_differs_from_no_speculation_is_reported():
+    runs = {NO_SPECULATION: [_run(2.0)], "K=1": [_run(1.0, tokens=((1, 2, 4),))], BANDIT: [_run(1.0)]}
+    figures = _figures(runs, {}, num_prompts=1)
+    assert not figures["modes"]["K=1"]["greedy_identical"] and not figures["all_greedy_identical"]
