@@ -24,7 +24,7 @@ def _adaptive_engine_on_rank(workdir: str):
 
     arch = architecture_from_dict(TINY_LLAMA_ROLLOUT)
     fixture = next_token_fixture(arch)
-    bandit = BanditSettings(bucket_bounds=(1, 2, 4, 8), depths=(0, 1, 2, 3), window=20, epsilon=0.1, seed=0,
+    bandit = BanditSettings(bucket_bounds=(1, 2, 4, 8), depths=(0, 1, 2, 3), window=10, epsilon=0.1, seed=0,
                             min_observations=1)
     greedy = SamplingSettings(temperature=0.0, max_tokens=96)
     out = {}
@@ -45,7 +45,8 @@ def _adaptive_engine_on_rank(workdir: str):
             out["samples"] = np.array(engine.generate(
                 [PROMPT], SamplingSettings(n=NUM_SAMPLES, temperature=1.0, max_tokens=4)).token_ids[0])
             engine.load_drafter(fixture["bad_drafter"])
-            for _ in range(2):
+            # each stale arm is exploited until half its window holds the bad drafter's rewards
+            for _ in range(3):
                 bad = engine.generate(PROMPTS, greedy)
             out["bad_depths"] = bad.step_depths
             out["greedy_bad_drafter"] = [r[0] for r in bad.token_ids]
