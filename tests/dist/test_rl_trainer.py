@@ -140,8 +140,10 @@ def test_trainer_on_an_hf_policy_with_a_verl_style_jsonl_and_bad_rows(env, tmp_p
 @pytest.fixture(scope="module")
 def spot_run(env, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "spot"
+    # Rollouts of at most 48 tokens leave idle windows of a few ms: packs of 64 rows (a few ms each)
+    # finish inside them; a 256-row step started there was often dropped by preemption before it counted.
     _train(env, *SMALL, "trainer.steps=4", "trainer.save_every=2", "drafter.spot_training=true",
-           "drafter.pack_tokens=256", f"trainer.run_dir={run_dir}")
+           "drafter.pack_tokens=64", f"trainer.run_dir={run_dir}")
     return run_dir
 
 
@@ -258,7 +260,7 @@ def test_a_failure_inside_drafter_training_is_logged_and_the_rl_run_completes_un
     faulty = dict(env, TLT_TEST_DRAFTER_FAULT_AT="2", PYTHONPATH=os.pathsep.join(
         [str(HELPERS / "drafter_fault"), env["PYTHONPATH"]]))
     # all idle time trains (duty cycle 1), so the second micro-step surely comes in these 4 short steps
-    result = _train(faulty, *SMALL, "trainer.steps=4", "drafter.spot_training=true", "drafter.pack_tokens=256",
+    result = _train(faulty, *SMALL, "trainer.steps=4", "drafter.spot_training=true", "drafter.pack_tokens=64",
                     "drafter.spot_duty_cycle=1.0", f"trainer.run_dir={run_dir}")
     assert "injected drafter training failure" in result.stderr and "drafter training failed" in result.stderr
     records = _summary(run_dir)
