@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from megatron_tlt.drafter import store
 from megatron_tlt.drafter.checkpointer import resolve_drafter_dir
 from megatron_tlt.hf_io import CheckpointError, atomic_output_dir, check_output_dir
+from megatron_tlt.rl import checkpoint
 
 FORMATS = ("vllm", "sglang")
 SGLANG_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
@@ -45,11 +46,11 @@ def _check_serving_names(tensors: dict[str, torch.Tensor]) -> None:
         raise CheckpointError("drafter has no fc.weight: not an EAGLE drafter")
 
 
-def _for_format(fmt: str, config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+def _for_format(fmt: str, family: str, config: dict,
+                tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
     if fmt == "vllm":
         return config, tensors
     hidden = tensors["fc.weight"].shape[0]
-    family = _target_family(tensors)
     config = dict(config, architectures=[SGLANG_ARCHITECTURES[family]], model_type=family)
     return config, dict(tensors, **{"fc.bias": torch.zeros(hidden, dtype=tensors["fc.weight"].dtype)})
 
@@ -58,7 +59,7 @@ def _target_of(source: Path, info: dict) -> str:
     """The policy the drafter was trained beside: the same run's checkpoint of the same step, if there is one."""
     step = info.get("step")
     if source.parent.name == "drafter" and step is not None:
-        policy_ckpt = source.parent.parent / "checkpoints" / f"step_{int(step):06d}"
+        policy_ckpt = checkpoint.step_dir(source.parent.parent, int(step))
         if policy_ckpt.is_dir():
             return f"the policy of `{policy_ckpt}`"
     return str(info.get("policy", "the policy it was trained beside"))
@@ -92,7 +93,8 @@ belongs with the policy of step N.
 
 
 def export_drafter(ckpt: str | Path, out_dir: str | Path, *, fmt: str = "vllm") -> Path:
-    """Write the drafter found at ``ckpt`` (a run, a drafter checkpoint or a drafter dir) to ``out_dir``."""
+    """Write the drafter found at ``ckpt`` (a run, a drafter checkpoint or a drafter dir) to ``out_dir``;
+    returns the drafter directory it exported."""
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got '{fmt}'")
     source = resolve_drafter_dir(ckpt)
@@ -100,11 +102,12 @@ def export_drafter(ckpt: str | Path, out_dir: str | Path, *, fmt: str = "vllm") 
     config = json.loads((source / store.CONFIG_FILE).read_text())
     tensors = load_file(str(source / store.WEIGHTS_FILE))
     _check_serving_names(tensors)
-    config, tensors = _for_format(fmt, config, tensors)
+    family = _target_family(tensors)
+    config, tensors = _for_format(fmt, family, config, tensors)
     info = store.read_drafter_info(source)
     with atomic_output_dir(out_dir) as staging:
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(staging / store.WEIGHTS_FILE),
                   metadata={"format": "pt"})
         (staging / store.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
-        (staging / "README.md").write_text(_readme(fmt, source, info, _target_family(tensors)))
-    return Path(out_dir)
+        (staging / "README.md").write_text(_readme(fmt, source, info, family))
+    return source

@@ -102,11 +102,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_export_drafter(args: argparse.Namespace) -> int:
     from checkpoints_tools.export_drafter import export_drafter
-    from megatron_tlt.drafter.checkpointer import resolve_drafter_dir
 
-    source = resolve_drafter_dir(args.ckpt)
-    out = export_drafter(source, args.out, fmt=args.format)
-    print(f"wrote the {args.format} EAGLE drafter of {source} to {out} (serving flags in {out}/README.md)")
+    source = export_drafter(args.ckpt, args.out, fmt=args.format)
+    print(f"wrote the {args.format} EAGLE drafter of {source} to {args.out} (serving flags in {args.out}/README.md)")
     return 0
 
 

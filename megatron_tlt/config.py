@@ -356,12 +356,17 @@ def validate(config: TLTConfig) -> None:
 
 def bandit_settings(config: TLTConfig):
     """The rollout engines' BEG-MAB settings from ``speculation.*`` (None when it is off)."""
+    if not config.speculation.adaptive:
+        return None
+    depths = config.speculation.depths
+    return bandit_settings_with_depths(config, range(config.drafter.speculative_tokens + 1) if depths is None else depths)
+
+
+def bandit_settings_with_depths(config: TLTConfig, depths):
+    """``speculation.*`` as BEG-MAB settings over the given arms (``tlt bench rollout`` picks its own)."""
     from megatron_tlt.spec.bandit import BanditSettings
 
     s = config.speculation
-    if not s.adaptive:
-        return None
-    depths = s.depths if s.depths is not None else range(config.drafter.speculative_tokens + 1)
     return BanditSettings(bucket_bounds=tuple(s.bucket_bounds), depths=tuple(depths), epsilon=s.epsilon,
                           window=s.window, max_speculative_batch=s.max_speculative_batch, seed=config.trainer.seed)
 

@@ -30,7 +30,8 @@ OPTIMIZER_SUBDIR = "optimizer"
 TRAINER_META = "trainer.json"
 
 
-def _step_dir(run_dir: Path, step: int) -> Path:
+def step_dir(run_dir: Path, step: int) -> Path:
+    """Where a run's checkpoint of ``step`` lives (complete or not)."""
     return run_dir / CHECKPOINTS_DIR / f"step_{step:06d}"
 
 
@@ -53,7 +54,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, meta: policy.
                     sampler_state: dict, dp_rank: int, keep: int, rank_state: dict | None = None) -> Path:
     """Collective over all ranks; returns the final directory. ``rank_state``: more of this rank's own
     state to keep beside its sampler position and RNG (e.g. its engine's bandit)."""
-    final = _step_dir(run_dir, step)
+    final = step_dir(run_dir, step)
     staging = final.with_name(f".{final.name}.tmp")
     rank = dist.get_rank()
     if rank == 0 and staging.exists():  # left by a run killed mid-save

@@ -142,16 +142,15 @@ def bench_drafter(config_name: str | None, overrides: list[str]) -> Path:
 def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy: str | None, drafter: str | None,
                         settings) -> dict:
     """``tlt bench rollout``: no speculation vs fixed depths vs BEG-MAB on one rollout, in one rank process."""
-    from megatron_tlt.rl.checkpoint import resolve_policy_dir
+    from megatron_tlt.drafter.checkpointer import resolve_drafter_dir
     from megatron_tlt.launcher import run_on_ranks
+    from megatron_tlt.rl.checkpoint import resolve_policy_dir
 
     config = load_config(config_name, overrides)
     if settings.prompts < 1 or settings.rounds < 1 or not settings.depths or min(settings.depths) < 1:
         raise ValueError("--prompts and --rounds must be >= 1 and --depths a list of depths >= 1")
     _check_layout(config)
     policy_dir = str(resolve_policy_dir(policy)) if policy is not None else None
-    from megatron_tlt.drafter.checkpointer import resolve_drafter_dir
-
     drafter_dir = resolve_drafter_dir(drafter) if drafter is not None else bench_drafter(config_name, overrides)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     return run_on_ranks(_bench_rollout_on_rank, 1, config, policy_dir, str(drafter_dir), settings, isolated=True)[0]

@@ -22,7 +22,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from megatron_tlt.config import TLTConfig
+from megatron_tlt.config import TLTConfig, bandit_settings_with_depths
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +77,10 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
     from megatron_tlt.rl import policy_source
     from megatron_tlt.rl.task import engine_config_for, load_task, sampling_settings
     from megatron_tlt.rl.weight_sync import sync_policy_to_engine
-    from megatron_tlt.spec.bandit import BanditSettings
     from megatron_tlt.spec.engine import RolloutEngine, SpeculativeSettings
 
-    s = config.speculation
     max_depth = max(settings.depths)
-    bandit = BanditSettings(bucket_bounds=tuple(s.bucket_bounds), depths=(0, *settings.depths), epsilon=s.epsilon,
-                            window=s.window, max_speculative_batch=s.max_speculative_batch, seed=config.trainer.seed)
+    bandit = bandit_settings_with_depths(config, (0, *settings.depths))
     with ParallelLayout(seed=config.trainer.seed), tempfile.TemporaryDirectory(prefix="tlt-bench-rollout-") as workdir:
         task = load_task(config)
         source = (Path(policy_dir) if policy_dir is not None
