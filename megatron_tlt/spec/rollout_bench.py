@@ -144,8 +144,14 @@ def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: 
         }
     fixed = [m for m in modes if m.startswith("K=")]
     best_fixed = max(fixed, key=lambda m: modes[m]["speedup"])
+    # Paired by round (both ran in the same spell of the machine): the spread says how far the overall
+    # ratio may be noise. The best fixed depth is picked on all rounds, which favours it slightly.
+    by_round = [f.seconds / b.seconds for f, b in zip(runs[best_fixed], runs[BANDIT])]
     return {"prompts": num_prompts, "rounds": len(base), "modes": modes, "best_fixed": best_fixed,
             "bandit_over_best_fixed": modes[BANDIT]["speedup"] / modes[best_fixed]["speedup"],
+            "bandit_over_best_fixed_by_round": by_round,
+            "bandit_over_best_fixed_standard_error": (statistics.stdev(by_round) / len(by_round) ** 0.5
+                                                      if len(by_round) > 1 else float("nan")),
             "all_greedy_identical": all(m["greedy_identical"] for m in modes.values()),
             "bandit": bandit_summary}
 
@@ -175,6 +181,9 @@ def format_figures(figures: dict) -> str:
     lines.append(f"BEG-MAB / best fixed ({figures['best_fixed']}): {figures['bandit_over_best_fixed']:.3f}; "
                  f"{figures['prompts']} prompts x {figures['rounds']} rounds; greedy outputs identical across all "
                  f"modes: {figures['all_greedy_identical']}")
+    lines.append("BEG-MAB / best fixed per round: " + ", ".join(
+        f"{r:.3f}" for r in figures["bandit_over_best_fixed_by_round"])
+        + f" (standard error of their mean {figures['bandit_over_best_fixed_standard_error']:.3f})")
     lines.append(f"BEG-MAB's first rollout, before it had tried its arms (untimed): "
                  f"{figures['bandit_cold_first_rollout_speedup']:.2f}x")
     lines.append("BEG-MAB's best depth per batch-size bucket: " + ", ".join(

@@ -18,13 +18,18 @@ def test_the_long_tail_is_the_steps_once_half_the_sequences_are_done():
 
 def test_speedups_are_against_no_speculation_and_the_bandit_against_the_best_fixed_depth():
     runs = {NO_SPECULATION: [_run(2.0), _run(2.0)], "K=1": [_run(1.6), _run(1.6)], "K=2": [_run(1.0), _run(1.0)],
-            BANDIT: [_run(1.25), _run(1.25)]}
+            BANDIT: [_run(1.25), _run(1.0)]}
     figures = _figures(runs, {"1": {"best": 2, "pulls": {}, "estimates": {}}}, num_prompts=3)
     assert figures["modes"]["K=2"]["speedup"] == pytest.approx(2.0)
-    assert figures["best_fixed"] == "K=2" and figures["bandit_over_best_fixed"] == pytest.approx(0.8)
+    assert figures["best_fixed"] == "K=2" and figures["bandit_over_best_fixed"] == pytest.approx(2.0 / 2.25)
+    # paired per round: K=2's time over BEG-MAB's in the same round
+    assert figures["bandit_over_best_fixed_by_round"] == pytest.approx([0.8, 1.0])
+    assert figures["bandit_over_best_fixed_standard_error"] == pytest.approx(0.1)
     assert figures["all_greedy_identical"]
     figures["bandit_cold_first_rollout_speedup"] = 1.0
-    assert "BEG-MAB / best fixed (K=2): 0.800" in format_figures(figures)
+    text = format_figures(figures)
+    assert "BEG-MAB / best fixed (K=2): 0.889" in text
+    assert "per round: 0.800, 1.000 (standard error of their mean 0.100)" in text
 
 
 def test_an_output_that_differs_from_no_speculation_is_reported():
