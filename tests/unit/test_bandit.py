@@ -134,26 +134,35 @@ def test_untried_arms_come_first_in_depths_order():
     assert fresh.best_depth(5) is None and fresh.estimate(5, 0) is None
 
 
+# Bucket 0 with a strong drafter (deepest speculation wins) and a weak one (no speculation wins).
+STRONG_DRAFTER = {0: {0: 100, 1: 150, 2: 180, 3: 200}}
+WEAK_DRAFTER = {0: {0: 100, 1: 80, 2: 60, 3: 40}}
+
+
+def steps_until_best(bandit: BucketedEpsilonGreedy, table: dict, rng: random.Random, depth: int, limit: int) -> int:
+    """Steps in bucket 0 until `depth` is the best estimate (at most `limit`); returns the steps taken."""
+    for n in range(1, limit + 1):
+        step(bandit, table, rng, 0)
+        if bandit.best_depth(0) == depth:
+            break
+    return n
+
+
 def test_adapts_when_the_drafter_collapses():
     window = 50
     bandit, rng = make(epsilon=0.1, window=window, seed=6), random.Random(7)
-    good_drafter = {0: {0: 100, 1: 150, 2: 180, 3: 200}}
     for _ in range(500):
-        step(bandit, good_drafter, rng, 0)
+        step(bandit, STRONG_DRAFTER, rng, 0)
     assert bandit.best_depth(0) == 3
 
     # The drafter collapses: deeper speculation now costs throughput; K=0 is untouched by the drafter.
     # The exploited arm refills its window first and each stale arm in turn gets exploited and
     # overwritten, about window/2 + 1 observations each, so a few half-windows bound the switch.
-    bad_drafter = {0: {0: 100, 1: 80, 2: 60, 3: 40}}
-    for n in range(1, 3 * window + 1):
-        step(bandit, bad_drafter, rng, 0)
-        if bandit.best_depth(0) == 0:
-            break
+    n = steps_until_best(bandit, WEAK_DRAFTER, rng, depth=0, limit=3 * window)
     assert bandit.best_depth(0) == 0, bandit.summary()
     assert n <= 3 * window
     # And it stays switched: the new best is exploited from then on.
-    assert [step(bandit, bad_drafter, rng, 0) for _ in range(200)].count(0) > 0.85 * 200
+    assert [step(bandit, WEAK_DRAFTER, rng, 0) for _ in range(200)].count(0) > 0.85 * 200
 
 
 def test_adapts_when_an_unexploited_arm_improves_through_exploration_only():
@@ -164,16 +173,11 @@ def test_adapts_when_an_unexploited_arm_improves_through_exploration_only():
     # RL step's length of engine steps; 2000 leaves room for the exploration noise.
     window = 50
     bandit, rng = make(epsilon=0.1, window=window, seed=8), random.Random(9)
-    weak_drafter = {0: {0: 100, 1: 80, 2: 60, 3: 40}}
     for _ in range(300):
-        step(bandit, weak_drafter, rng, 0)
+        step(bandit, WEAK_DRAFTER, rng, 0)
     assert bandit.best_depth(0) == 0
 
-    strong_drafter = {0: {0: 100, 1: 150, 2: 180, 3: 200}}
-    for n in range(1, 2001):
-        step(bandit, strong_drafter, rng, 0)
-        if bandit.best_depth(0) == 3:
-            break
+    n = steps_until_best(bandit, STRONG_DRAFTER, rng, depth=3, limit=2000)
     assert bandit.best_depth(0) == 3
     assert n <= 2000
 
