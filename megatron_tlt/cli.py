@@ -67,7 +67,7 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--depths must be comma-separated integers, got '{args.depths}'") from None
     settings = RolloutBenchSettings(prompts=args.prompts, depths=depths, rounds=args.rounds,
-                                    bandit_warmup_rollouts=args.bandit_warmup)
+                                    bandit_warmup_rollouts=args.bandit_warmup, rotate_prompts=not args.same_prompts)
     figures = start_rollout_bench(args.config, args.overrides, policy=args.policy, drafter=args.drafter,
                                   settings=settings)
     print(format_figures(figures))
@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--rounds", type=int, default=3, help="rounds; each runs every mode once")
     rollout.add_argument("--bandit-warmup", type=int, default=10, metavar="N",
                          help="untimed BEG-MAB rollouts before the timed rounds (it learns across rollouts)")
+    rollout.add_argument("--same-prompts", action="store_true",
+                         help="run every rollout on the same prompts (default: each takes new held-out prompts)")
     rollout.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     rollout.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. speculation.epsilon=0.2")
     rollout.set_defaults(func=_cmd_bench_rollout)

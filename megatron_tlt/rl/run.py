@@ -149,6 +149,9 @@ def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy
     config = load_config(config_name, overrides)
     if settings.prompts < 1 or settings.rounds < 1 or not settings.depths or min(settings.depths) < 1:
         raise ValueError("--prompts and --rounds must be >= 1 and --depths a list of depths >= 1")
+    if config.data.path is None and settings.rotate_prompts:
+        # Enough held-out problems that no rollout of the bench repeats another's prompts.
+        config.data.held_out_prompts = max(config.data.held_out_prompts, settings.prompts * settings.rollouts)
     _check_layout(config)
     policy_dir = str(resolve_policy_dir(policy)) if policy is not None else None
     drafter_dir = resolve_drafter_dir(drafter) if drafter is not None else bench_drafter(config_name, overrides)

@@ -4,7 +4,8 @@ Two engines hold the same policy side by side: one without speculation (the base
 drafter and the BEG-MAB scheduler, run either at a pinned depth K (fixed-K speculation) or with the bandit
 choosing each step's depth. Every round runs every mode once on the same prompts, greedy, so the modes
 share the machine's slow and quiet spells and their outputs must be identical token for token (speculation
-is lossless). The bandit keeps what it learned from round to round, as it does from RL step to RL step; a
+is lossless). Each round takes the next prompts of the pool, as each RL step takes new ones: a rollout's
+time hangs on its few longest sequences, so one fixed prompt set would measure one tail. The bandit keeps what it learned from round to round, as it does from RL step to RL step; a
 first, untimed round of every mode warms the engines, then BEG-MAB learns over a few more untimed
 rollouts (in an RL run it learns over hundreds), and its cold first rollout is reported beside the
 timed ones.
@@ -20,6 +21,7 @@ import json
 import logging
 import statistics
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_tlt.config import TLTConfig, bandit_settings_with_depths
@@ -34,12 +36,20 @@ BANDIT = "BEG-MAB"
 class RolloutBenchSettings:
     prompts: int = 64
     """Prompts in the rollout (greedy, one response each): one rank's share of a tiny-default step is 64."""
+    rotate_prompts: bool = True
+    """Each rollout takes the next ``prompts`` of the held-out pool (cycling); False: every rollout runs the
+    pool's first ``prompts``."""
     depths: tuple[int, ...] = (1, 2, 3, 4)
     """Fixed depths to compare; the bandit chooses among 0 and these."""
     rounds: int = 3
     bandit_warmup_rollouts: int = 10
     """Untimed BEG-MAB rollouts before the timed rounds: in an RL run the bandit learns over hundreds of
     rollouts (its state is kept from step to step); one rollout here has only ~60 engine steps."""
+
+    @property
+    def rollouts(self) -> int:
+        """Distinct prompt sets the bench runs: the warm-up round, the bandit's learning rollouts, the rounds."""
+        return 1 + self.bandit_warmup_rollouts + self.rounds
 
 
 @dataclasses.dataclass
@@ -97,8 +107,8 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
             for engine in (plain, speculative):
                 sync_policy_to_engine(model, task.arch, engine, keep=POLICY_HEAD_NAMES, padded_vocab_size=padded)
             speculative.load_drafter(drafter)  # the policy reload replaced it
-            examples = (list(task.held_out) + list(task.dataset.examples))[: settings.prompts]
-            prompts = [e.prompt_ids for e in examples]
+            pool = [e.prompt_ids for e in task.held_out or task.dataset.examples]
+            prompt_sets = _prompt_sets(pool, settings.prompts, settings.rotate_prompts)
             greedy = sampling_settings(config, task.tokenizer, n=1, temperature=0.0, seed=None)
             modes = [NO_SPECULATION, *(f"K={k}" for k in settings.depths), BANDIT]
             runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
@@ -107,7 +117,8 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
                     cold_bandit = runs[BANDIT].pop()
                     runs = {m: [] for m in modes}
                     for _ in range(settings.bandit_warmup_rollouts):
-                        speculative.generate(prompts, greedy)
+                        speculative.generate(next(prompt_sets), greedy)
+                prompts = next(prompt_sets)
                 for mode in modes:
                     if mode == NO_SPECULATION:
                         runs[mode].append(_run(plain, prompts, greedy))
@@ -115,7 +126,7 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
                     speculative.pin_speculation_depth(None if mode == BANDIT else int(mode[2:]))
                     runs[mode].append(_run(speculative, prompts, greedy))
                 logger.info("round %d of %d done", round_index + 1, settings.rounds)
-            figures = _figures(runs, speculative.bandit_summary(), len(prompts))
+            figures = _figures(runs, speculative.bandit_summary(), settings.prompts)
             figures["seconds_by_bucket"] = _seconds_by_bucket(runs, bandit)
             figures["bandit_cold_first_rollout_speedup"] = (
                 statistics.fmean(r.seconds for r in runs[NO_SPECULATION]) / cold_bandit.seconds)
@@ -125,9 +136,19 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
             plain.close()
 
 
+def _prompt_sets(pool: list, size: int, rotate: bool) -> Iterator[list]:
+    """Endless rollouts of ``size`` prompts: consecutive slices of the pool (wrapping round), or its first ``size``."""
+    if not pool:
+        raise ValueError("tlt bench rollout: the task has no prompts")
+    start = 0
+    while True:
+        yield [pool[(start + i) % len(pool)] for i in range(size)]
+        if rotate:
+            start = (start + size) % len(pool)
+
+
 def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: int) -> dict:
     base = runs[NO_SPECULATION]
-    reference = base[0].token_ids
     base_seconds = sum(r.seconds for r in base)
     base_tail = sum(r.tail_seconds for r in base)
     modes = {}
@@ -140,7 +161,8 @@ def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: 
             "mean_acceptance_length": statistics.fmean(r.acceptance_length for r in mode_runs),
             "speedup": base_seconds / seconds,
             "long_tail_speedup": base_tail / tail if tail > 0 else float("nan"),
-            "greedy_identical": all(r.token_ids == reference for r in mode_runs),
+            # Round by round: each round has its own prompts.
+            "greedy_identical": all(r.token_ids == b.token_ids for r, b in zip(mode_runs, base)),
         }
     fixed = [m for m in modes if m.startswith("K=")]
     best_fixed = max(fixed, key=lambda m: modes[m]["speedup"])

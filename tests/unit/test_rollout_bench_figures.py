@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_tlt.spec.rollout_bench import BANDIT, NO_SPECULATION, ModeRun, _figures, _tail_seconds, format_figures
+from megatron_tlt.spec.rollout_bench import (BANDIT, NO_SPECULATION, ModeRun, RolloutBenchSettings, _figures,
+                                             _prompt_sets, _tail_seconds, format_figures)
 
 
 def _run(seconds: float, tokens=((1, 2, 3),), batches=(4, 4, 2, 1), steps=(0.1, 0.1, 0.2, 0.3)) -> ModeRun:
@@ -36,3 +37,23 @@ def test_an_output_that_differs_from_no_speculation_is_reported():
     runs = {NO_SPECULATION: [_run(2.0)], "K=1": [_run(1.0, tokens=((1, 2, 4),))], BANDIT: [_run(1.0)]}
     figures = _figures(runs, {}, num_prompts=1)
     assert not figures["modes"]["K=1"]["greedy_identical"] and not figures["all_greedy_identical"]
+
+
+def test_each_rollout_takes_the_next_prompts_of_the_pool_wrapping_round():
+    sets = _prompt_sets(list("abcde"), 2, rotate=True)
+    assert [next(sets) for _ in range(4)] == [["a", "b"], ["c", "d"], ["e", "a"], ["b", "c"]]
+    same = _prompt_sets(list("abcde"), 2, rotate=False)
+    assert [next(same) for _ in range(2)] == [["a", "b"], ["a", "b"]]
+    with pytest.raises(ValueError, match="no prompts"):
+        next(_prompt_sets([], 2, rotate=True))
+    # the warm-up round, the bandit's learning rollouts and the timed rounds each get their own prompts
+    assert RolloutBenchSettings(rounds=8, bandit_warmup_rollouts=20).rollouts == 29
+
+
+def test_outputs_are_compared_with_no_speculation_round_by_round():
+    rounds = [((1, 2),), ((3, 4),)]  # each round has its own prompts, so its own reference
+    runs = {NO_SPECULATION: [_run(2.0, tokens=t) for t in rounds], "K=1": [_run(1.0, tokens=t) for t in rounds],
+            BANDIT: [_run(1.0, tokens=rounds[0]), _run(1.0, tokens=rounds[0])]}
+    figures = _figures(runs, {}, num_prompts=1)
+    assert figures["modes"]["K=1"]["greedy_identical"]
+    assert not figures["modes"][BANDIT]["greedy_identical"]
