@@ -178,7 +178,13 @@ class SpeculationConfig:
     epsilon: float = 0.1
     """Share of steps that explore a random depth."""
     window: int = 300
-    """Rewards per bucket and depth whose median is the estimate (a sliding window: the drafter changes)."""
+    """Rewards kept per bucket and depth (a sliding window: the drafter changes)."""
+    median_blocks: int = 5
+    """The estimate is the median of the means of this many consecutive blocks of the window: robust to
+    outlying steps, and unlike the median of single rewards (``window``), true to the throughput at small
+    batches, where a step's reward takes only a few values."""
+    min_observations: int = 3
+    """Rewards each depth of a bucket gets before the greedy choice may pass it over (untried arms come first)."""
     max_speculative_batch: int | None = None
     """Batches above this never speculate and get no speculative CUDA graphs (TLT uses 32 on H100s);
     None: the bandit decides at every batch size (on CPU speculation still paid at batch 64)."""
@@ -368,7 +374,8 @@ def bandit_settings_with_depths(config: TLTConfig, depths):
 
     s = config.speculation
     return BanditSettings(bucket_bounds=tuple(s.bucket_bounds), depths=tuple(depths), epsilon=s.epsilon,
-                          window=s.window, max_speculative_batch=s.max_speculative_batch, seed=config.trainer.seed)
+                          window=s.window, median_blocks=s.median_blocks,
+                          min_observations=s.min_observations, max_speculative_batch=s.max_speculative_batch, seed=config.trainer.seed)
 
 
 def _validate_speculation(config: TLTConfig) -> None:

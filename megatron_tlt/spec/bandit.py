@@ -4,9 +4,14 @@ Each engine step the rollout engine asks for a depth K (0 = speculation off) and
 reward: generated tokens per second of that step. Arms are the depths; the best one depends on the
 batch size (speculation pays at small batches, where decoding is memory-bound and spare compute
 verifies drafts for free, but not at large ones), so every batch-size bucket runs its own bandit.
-An arm's estimate is the median of its last `window` rewards: the median shrugs off noisy step
-times (a GC pause, a weight sync), and the sliding window forgets old rewards so the choice follows
-a drafter that improves, or degrades, with every RL step.
+
+An arm's estimate comes from its last `window` rewards; the sliding window forgets old rewards so the
+choice follows a drafter that improves, or degrades, with every RL step. The estimate is TLT's
+median, taken over the means of `median_blocks` consecutive blocks of the window rather than over
+single rewards. Either median shrugs off a noisy step time (a GC pause, a weight sync). But at small
+batches a step's reward takes only a few values (batch 1, depth K: 1..K+1 tokens), and the median of
+so few values is not the throughput. At batch 1 on the tiny default the plain median said 353
+tokens/s for K=2 and 277 for K=1, where their steps made 274 and 221.
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ class BanditSettings:
     """The arms: speculation depths K; 0 = speculation off."""
     epsilon: float = 0.1
     window: int = 300
-    """Rewards kept per (bucket, arm); the estimate is their median."""
+    """Rewards kept per (bucket, arm); the estimate is the median of their block means."""
+    median_blocks: int = 5
+    """The window is cut into this many blocks of consecutive rewards (fewer while it holds fewer rewards)
+    and the estimate is the median of the blocks' mean rewards; ``window`` gives the plain median of
+    the rewards (TLT's), 1 their plain mean."""
     min_observations: int = 3
     """Rewards an arm needs before its estimate is trusted: until then it is chosen first ("untried"),
     so one unlucky step time cannot shut an arm out until exploration happens to revisit it."""
@@ -72,6 +81,8 @@ class BanditSettings:
             raise BanditConfigError(f"epsilon must be in [0, 1], got {self.epsilon}.")
         if self.window < 1:
             raise BanditConfigError(f"window must be >= 1 reward, got {self.window}.")
+        if not 1 <= self.median_blocks <= self.window:
+            raise BanditConfigError(f"median_blocks must be in [1, window={self.window}], got {self.median_blocks}.")
         if not 1 <= self.min_observations <= self.window:
             raise BanditConfigError(f"min_observations must be in [1, window={self.window}], got {self.min_observations}.")
         if self.max_speculative_batch is not None:
@@ -148,10 +159,15 @@ class BucketedEpsilonGreedy:
         self._rewards[bucket][arm].append(float(reward))
 
     def estimate(self, bucket: int, depth: int) -> float | None:
-        """Median of the arm's reward window, or None if the arm was never observed."""
+        """Median of the block means of the arm's reward window, or None if the arm was never observed."""
         self._check_bucket(bucket)
-        window = self._rewards[bucket][self._check_depth(depth)]
-        return statistics.median(window) if window else None
+        window = list(self._rewards[bucket][self._check_depth(depth)])
+        if not window:
+            return None
+        blocks = min(self.settings.median_blocks, len(window))
+        # Block b holds rewards [b*n//blocks, (b+1)*n//blocks): sizes differ by at most one.
+        edges = [b * len(window) // blocks for b in range(blocks + 1)]
+        return statistics.median(statistics.fmean(window[lo:hi]) for lo, hi in zip(edges, edges[1:]))
 
     def best_depth(self, bucket: int) -> int | None:
         """The tried arm with the highest estimate (ties go to the smaller K), or None if none was tried."""

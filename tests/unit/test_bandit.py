@@ -198,6 +198,38 @@ def test_median_ignores_an_outlier_and_non_finite_rewards():
     assert bandit.summary()["1"]["estimates"]["1"] == 150.0
 
 
+# Batch 1 as measured on the tiny default: a step yields 1..K+1 tokens. K=1 (7.6 ms a step) accepts its
+# draft 3 times in 5; K=2 (8.7 ms) yields 1, 2, 2, 3, 3 tokens. K=2 makes more tokens per second (253 vs
+# 211), but a step's typical count is 2 for both, so the median of single rewards ranks K=1 first.
+QUANTISED_REWARDS = {1: [2 / 0.0076, 2 / 0.0076, 2 / 0.0076, 1 / 0.0076, 1 / 0.0076],
+                     2: [1 / 0.0087, 2 / 0.0087, 2 / 0.0087, 3 / 0.0087, 3 / 0.0087]}
+
+
+def test_the_estimate_follows_the_throughput_where_rewards_take_few_values():
+    default, plain_median = make(depths=(1, 2)), make(depths=(1, 2), median_blocks=300)
+    for _ in range(20):  # 100 rewards per arm, the counts interleaved in time
+        for depth, rewards in QUANTISED_REWARDS.items():
+            for reward in rewards:
+                default.observe(0, depth, reward)
+                plain_median.observe(0, depth, reward)
+    assert default.estimate(0, 2) == pytest.approx(statistics.fmean(QUANTISED_REWARDS[2]))
+    assert default.estimate(0, 1) == pytest.approx(statistics.fmean(QUANTISED_REWARDS[1]))
+    assert default.best_depth(0) == 2
+    assert plain_median.estimate(0, 1) == pytest.approx(2 / 0.0076)
+    assert plain_median.best_depth(0) == 1
+
+
+def test_block_means_shrug_off_outliers_in_a_minority_of_blocks():
+    bandit = make(median_blocks=5)
+    for i in range(100):
+        bandit.observe(0, 2, 1e6 if i in (3, 47) else 200.0)  # two steps timed at ~0 s, in two of 5 blocks
+    assert bandit.estimate(0, 2) == 200.0
+    few = make(median_blocks=5)
+    for reward in (100.0, 300.0):  # fewer rewards than blocks: one block each
+        few.observe(0, 2, reward)
+    assert few.estimate(0, 2) == 200.0
+
+
 def test_observe_and_estimate_refuse_unknown_arms_and_buckets():
     bandit = make()
     with pytest.raises(ValueError, match="depth 4 is not one of the arms"):
@@ -250,6 +282,8 @@ def test_loading_state_with_other_arms_or_buckets_is_refused():
     ({"epsilon": 1.5}, r"epsilon must be in \[0, 1\], got 1.5"),
     ({"epsilon": math.nan}, r"epsilon must be in \[0, 1\], got nan"),
     ({"window": 0}, "window must be >= 1"),
+    ({"window": 10, "median_blocks": 11}, r"median_blocks must be in \[1, window=10\], got 11"),
+    ({"median_blocks": 0}, r"median_blocks must be in \[1, window=300\], got 0"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(BanditConfigError, match=message):
