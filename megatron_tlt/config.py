@@ -374,8 +374,8 @@ def bandit_settings_with_depths(config: TLTConfig, depths):
 
     s = config.speculation
     return BanditSettings(bucket_bounds=tuple(s.bucket_bounds), depths=tuple(depths), epsilon=s.epsilon,
-                          window=s.window, median_blocks=s.median_blocks,
-                          min_observations=s.min_observations, max_speculative_batch=s.max_speculative_batch, seed=config.trainer.seed)
+                          window=s.window, median_blocks=s.median_blocks, min_observations=s.min_observations,
+                          max_speculative_batch=s.max_speculative_batch, seed=config.trainer.seed)
 
 
 def _validate_speculation(config: TLTConfig) -> None:

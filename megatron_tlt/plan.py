@@ -428,10 +428,9 @@ def plan_layout(arch: PolicyArchitecture, *, nodes: int, gpus_per_node: int, tp:
                        per_layer=per_layer, in_flight=in_flight, last=last, padded_vocab=padded_vocab,
                        engine_tp=engine_tp, engine_weights=engine_weights, kv_bytes=kv_bytes,
                        engine_budget=engine_budget)
-        candidates.append((stage_name, parts))
-    worst = max(candidates, key=lambda c: max(sum(p.gib[ph] for p in c[1]) for ph in PHASES))
-    stage_name, parts = worst
-    worst_params = stage_params[0] if stage_name != "last" else stage_params[-1]
+        candidates.append((stage_name, params, parts))
+    stage_name, worst_params, parts = max(
+        candidates, key=lambda c: max(sum(p.gib[ph] for p in c[2]) for ph in PHASES))
 
     host = 0.0
     if o.offload_training_state:
@@ -731,10 +730,8 @@ def run(args: argparse.Namespace) -> int:
         if args.tp and args.pp:
             plan = plan_layout(arch, nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp,
                                options=options, model_name=name)
-            if not plan.fits:
-                print(render(plan))
-                raise PlanError(refusal(plan))
-            print(render(plan))
+            print(render(plan))  # a refused plan too: its table shows where the memory goes
+            require_fit(plan)
         else:
             plan, alternatives = search_layouts(arch, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                                 tp=args.tp, pp=args.pp, options=options, model_name=name)

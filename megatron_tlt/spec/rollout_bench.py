@@ -4,11 +4,11 @@ Two engines hold the same policy side by side: one without speculation (the base
 drafter and the BEG-MAB scheduler, run either at a pinned depth K (fixed-K speculation) or with the bandit
 choosing each step's depth. Every round runs every mode once on the same prompts, greedy, so the modes
 share the machine's slow and quiet spells and their outputs must be identical token for token (speculation
-is lossless). Each round takes the next prompts of the pool, as each RL step takes new ones: a rollout's
-time hangs on its few longest sequences, so one fixed prompt set would measure one tail. The bandit keeps what it learned from round to round, as it does from RL step to RL step; a
-first, untimed round of every mode warms the engines, then BEG-MAB learns over a few more untimed
-rollouts (in an RL run it learns over hundreds), and its cold first rollout is reported beside the
-timed ones.
+is lossless). Each round takes the next prompts of the held-out pool, as each RL step takes new ones: a
+rollout's time hangs on its few longest sequences, so one fixed prompt set would measure one tail. The
+bandit keeps what it learned from round to round, as it does from RL step to RL step; a first, untimed
+round of every mode warms the engines, then BEG-MAB learns over a few more untimed rollouts (in an RL run
+it learns over hundreds), and its cold first rollout is reported beside the timed ones.
 
 Reported per mode: wall time, generated tokens/s, mean acceptance length, speedup over no speculation, and
 the speedup on the long-tail phase (the engine steps after half the sequences have finished).
