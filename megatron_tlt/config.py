@@ -309,6 +309,12 @@ def validate(config: TLTConfig) -> None:
                         ("warmup.micro_batch_size", config.warmup.micro_batch_size)):
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
+    from megatron_tlt.rl.engine_placement import PlacementError, resolve_engine_tensor_parallel_size
+
+    try:
+        resolve_engine_tensor_parallel_size(r.engine.tensor_parallel_size, p.tensor_parallel_size)
+    except PlacementError as err:
+        raise ConfigError(str(err)) from None
     if t.prompts_per_step % p.data_parallel_size:
         raise ConfigError(f"trainer.prompts_per_step {t.prompts_per_step} is not divisible by "
                           f"parallel.data_parallel_size {p.data_parallel_size}")

@@ -33,6 +33,7 @@ from megatron_tlt.hf_io import atomic_output_dir
 from megatron_tlt.rl import policy_source
 from megatron_tlt.rl.actor import compute_logprobs
 from megatron_tlt.rl.data import PromptExample
+from megatron_tlt.rl.engine_placement import engine_placement
 from megatron_tlt.rl.task import Task, engine_config_for, load_task, sampling_settings
 from megatron_tlt.rl.weight_sync import sync_policy_to_engine
 from megatron_tlt.spec.engine import RolloutEngine, SpeculativeSettings
@@ -73,7 +74,7 @@ class _Session:
         self.config, self.task, self.settings = config, task, settings
         self.rank = dist.get_rank()
         self.mp_group = mcore.model_parallel_group()
-        self.mp_rank, self.mp_size = dist.get_rank(self.mp_group), dist.get_world_size(self.mp_group)
+        self.mp_size = dist.get_world_size(self.mp_group)
         self.dp_rank, self.dp_size = mcore.data_parallel_rank(), mcore.data_parallel_size()
         self.model = policy_source.load_policy(config, task.arch, source)
         d = config.drafter
@@ -83,7 +84,9 @@ class _Session:
             precision=resolve_precision(d.precision)))
         if d.init_dir is not None:
             self.trainer.drafter.load_tensors(store.read_drafter_tensors(d.init_dir, task.arch))
-        self.engine = RolloutEngine(task.arch, engine_config_for(config, task), workdir=workdir, rank=self.rank,
+        engine_config = engine_config_for(config, task)
+        self.placement = engine_placement(engine_config.tensor_parallel_size)
+        self.engine = RolloutEngine(task.arch, engine_config, workdir=workdir, rank=self.rank,
                                     speculative=SpeculativeSettings(num_speculative_tokens=settings.draft_tokens),
                                     drafter=self.trainer.drafter.export_tensors())
         stats = sync_policy_to_engine(self.model, task.arch, self.engine, keep=POLICY_HEAD_NAMES,
@@ -93,20 +96,20 @@ class _Session:
 
     def generate_with_features(self, prompts: list[PromptExample], seed: int):
         """This DP rank's share of ``prompts`` answered by the policy (shared out over its model-parallel
-        ranks), the sequences' features, and the engine's speculation counts (summed over all ranks)."""
+        group's engines), the sequences' features, and the speculation counts (summed over all engines)."""
         mine = prompts[self.dp_rank :: self.dp_size]
-        own = mine[self.mp_rank :: self.mp_size]
+        own = self.placement.replica_share(mine)
         spec = SpecDecodeStats()
         sequences = []
         if own:
             result = self.engine.generate([e.prompt_ids for e in own], sampling_settings(
                 self.config, self.task.tokenizer, n=1, temperature=self.config.rollout.temperature,
-                seed=seed + self.rank))
-            spec = result.spec
+                seed=seed + self.placement.leader_rank))
+            spec = result.spec if self.placement.is_leader else SpecDecodeStats()
             sequences = [list(e.prompt_ids) + responses[0] for e, responses in zip(own, result.token_ids)]
         gathered = [None] * self.mp_size
         dist.all_gather_object(gathered, sequences, group=self.mp_group)
-        sequences = [s for part in gathered for s in part]
+        sequences = [s for part in self.placement.leaders_only(gathered) for s in part]
         features = compute_logprobs(self.model, sequences, vocab_size=self.task.arch.vocab_size,
                                     micro_batch_size=self.config.trainer.micro_batch_size,
                                     pad_id=self.task.tokenizer.pad_id, capture_hidden=True).hidden_states or []

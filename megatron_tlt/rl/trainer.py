@@ -1,9 +1,10 @@
 """The RL loop on every rank: rollout -> reward -> log-prob -> update -> sync (DESIGN.md section 1).
 
 Ranks and their work:
-  * each data-parallel (DP) rank owns a slice of every step's prompts; the tp x pp ranks of its
-    model-parallel group share them out for rollout (every rank has its own vLLM engine holding the
-    full policy), then exchange the results, so generation uses every rank;
+  * each data-parallel (DP) rank owns a slice of every step's prompts; the vLLM engines of its
+    model-parallel group share them out for rollout, then exchange the results. An engine spans the
+    ranks of (a divisor of) the policy's tensor-parallel group (``rl/engine_placement.py``), so with
+    PP > 1 each pipeline stage's TP group runs an engine of the whole policy;
   * rewards are scored where a response was generated; advantages are group-relative over the n
     samples of a prompt (a group never spans DP ranks);
   * the log-prob pass and the update run through Megatron's schedules on the model-parallel group,
@@ -36,6 +37,7 @@ from megatron_tlt.rl import checkpoint, policy_source, run_dir as run_files
 from megatron_tlt.rl.actor import compute_logprobs
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.data import PromptExample
+from megatron_tlt.rl.engine_placement import engine_placement
 from megatron_tlt.rl.rewards import get_reward_fn
 from megatron_tlt.rl.sampler import PromptSampler
 from megatron_tlt.rl.task import engine_config_for, load_task, sampling_settings
@@ -135,8 +137,9 @@ class RLTrainer:
             speculative = SpeculativeSettings(num_speculative_tokens=config.drafter.speculative_tokens,
                                               adaptive=config_mod.bandit_settings(config))
             speculation = dict(speculative=speculative, drafter=self.drafter_trainer.drafter.export_tensors())
-        self.engine = RolloutEngine(self.arch, engine_config_for(config, task), workdir=run_dir / "engines", rank=self.rank,
-                                    **speculation)
+        engine_config = engine_config_for(config, task)
+        self.placement = engine_placement(engine_config.tensor_parallel_size)
+        self.engine = RolloutEngine(self.arch, engine_config, workdir=run_dir / "engines", rank=self.rank, **speculation)
         if state is not None and state.get("bandit") is not None and config.speculation.adaptive:
             self.engine.load_bandit_state(state["bandit"])  # what it learned about depths goes on
             if self.is_reporter:
@@ -228,13 +231,13 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
 
     def _rollout(self, step: int, examples: list[PromptExample], timeline: RankTimeline):
-        mine = examples[self.mp_rank :: self.mp_size]  # this rank's share of its DP rank's prompts
+        mine = self.placement.replica_share(examples)  # this engine's share of its DP rank's prompts
         n = self.config.rollout.samples_per_prompt
         start = time.time()
-        result = self.engine.generate(
+        result = self.engine.generate(  # the ranks of one engine sample with one seed: the same responses
             [e.prompt_ids for e in mine],
             self._sampling(n=n, temperature=self.config.rollout.temperature,
-                           seed=_rollout_seed(self.config.trainer.seed, step, self.rank)),
+                           seed=_rollout_seed(self.config.trainer.seed, step, self.placement.leader_rank)),
         ) if mine else None
         done = time.time()
         timeline.add("rollout", BUSY, start, done)
@@ -252,17 +255,20 @@ class RLTrainer:
         return mine, result
 
     def _score_and_share(self, mine, result, timeline: RankTimeline) -> tuple[list[Sample], list[Sample]]:
-        """Score this rank's responses; return (own samples, all samples of this DP rank in group order)."""
+        """Score this engine's responses; return (the samples this rank reports, all samples of this DP
+        rank in group order). Only an engine's leader reports its samples, so none counts twice."""
+        p = self.placement
         with timeline.phase("reward"):
-            own = self._score(mine, result.token_ids, result.finish_reasons, self.mp_rank, self.mp_size) if mine else []
+            own = self._score(mine, result.token_ids, result.finish_reasons, p.index_in_replica,
+                              p.engines_per_replica) if mine else []
             if self.mp_size > 1:
                 gathered: list[list[Sample]] = [None] * self.mp_size
                 dist.all_gather_object(gathered, own, group=self.mp_group)
-                everything = [s for part in gathered for s in part]
+                everything = [s for part in p.leaders_only(gathered) for s in part]
             else:
                 everything = list(own)
             everything.sort(key=lambda s: (s.prompt_index, s.sample_index))
-        return own, everything
+        return (own if p.is_leader else []), everything
 
     def _advantages(self, samples: list[Sample]) -> tuple[list[float], int]:
         """Advantages per sample (same order) and the number of groups dropped by the equal-reward filter."""
@@ -354,9 +360,10 @@ class RLTrainer:
             "lengths": [len(s.response_ids) for s in own],
             "truncated": [s.finish_reason == "length" for s in own],
             "dropped_groups": dropped_groups if self.mp_rank == 0 else 0,
-            "spec": result.spec if result is not None else None,
-            "step_depths": result.step_depths if result is not None else [],
-            "bandit": self.engine.bandit_summary(),
+            # an engine's figures, once: from its leader
+            "spec": result.spec if result is not None and self.placement.is_leader else None,
+            "step_depths": result.step_depths if result is not None and self.placement.is_leader else [],
+            "bandit": self.engine.bandit_summary() if self.placement.is_leader else None,
             "drafter": self.drafter_stats,
             "spot": self.spot_report,
             # counted once per replica: TP ranks hold the same features
@@ -410,17 +417,19 @@ class RLTrainer:
         """Held-out accuracy, greedy and sampled (collective; rank 0 gets the numbers)."""
         if not self.held_out:
             return None
-        mine = self.held_out[self.rank :: self.world]
+        mine = self.placement.world_share(self.held_out)
         counts = torch.zeros(3, dtype=torch.float64)
         if mine:
             greedy = self.engine.generate([e.prompt_ids for e in mine], self._sampling(n=1, temperature=0.0, seed=None))
             sampled = self.engine.generate(
                 [e.prompt_ids for e in mine],
                 self._sampling(n=EVAL_SAMPLES_PER_PROMPT, temperature=self.config.rollout.temperature,
-                               seed=_rollout_seed(self.config.trainer.seed, _EVAL_SEED_STEP, self.rank)))
+                               seed=_rollout_seed(self.config.trainer.seed, _EVAL_SEED_STEP, self.placement.leader_rank)))
             counts[0] = sum(s.correct for s in self._score(mine, greedy.token_ids, greedy.finish_reasons, 0, 1))
             counts[1] = sum(s.correct for s in self._score(mine, sampled.token_ids, sampled.finish_reasons, 0, 1))
             counts[2] = len(mine)
+        if not self.placement.is_leader:  # the engine's other ranks saw the same answers
+            counts.zero_()
         dist.all_reduce(counts)
         return {"eval/greedy_accuracy": counts[0].item() / counts[2].item(),
                 "eval/sampled_accuracy": counts[1].item() / (EVAL_SAMPLES_PER_PROMPT * counts[2].item())}
@@ -495,11 +504,12 @@ def _speculation_record(per_rank: list[dict]) -> dict:
     record = {"spec/mean_acceptance_length": 1.0 + accepted / drafts,
               "spec/acceptance_rate": accepted / max(1, sum(s.num_draft_tokens for s in stats))}
     depths = [d for p in per_rank for d in p["step_depths"]]
-    if depths:  # BEG-MAB: how often each depth ran, and each rank's best depth per batch-size bucket
+    if depths:  # BEG-MAB: how often each depth ran, and each engine's best depth per batch-size bucket
+        engines = [p for p in per_rank if p["bandit"] is not None]  # their leaders' reports
         record["spec/engine_steps_by_depth"] = {str(k): depths.count(k) for k in sorted(set(depths))}
-        record["spec/engine_steps"] = [len(p["step_depths"]) for p in per_rank]
+        record["spec/engine_steps"] = [len(p["step_depths"]) for p in engines]
         record["spec/best_depth_by_bucket"] = [{bucket: s["best"] for bucket, s in p["bandit"].items()}
-                                               for p in per_rank]
+                                               for p in engines]
     return record
 
 

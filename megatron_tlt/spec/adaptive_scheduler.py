@@ -4,7 +4,8 @@ vLLM 0.32's scheduler already carries a per-step depth (``SchedulerOutput.num_sp
 read by the model runner; 0 turns drafting off for that step) when dynamic speculative decoding is on.
 This subclass, given to vLLM by qualified name (``scheduler_cls``), sets that depth from the bandit for
 the live batch size, and feeds the bandit each step's outcome in ``update_from_output``. Nothing of
-vLLM is forked or patched. Settings arrive through ``additional_config[BANDIT_CONFIG_KEY]``.
+vLLM is forked or patched. Settings arrive through ``additional_config[BANDIT_CONFIG_KEY]``. In an
+engine over several ranks the first rank's bandit chooses and the others follow it.
 
 Credit assignment: step N verifies the drafts proposed at the end of step N-1 (depth K_{N-1}) and
 drafts K_N new ones, so its tokens come from K_{N-1} and its time holds the drafting of K_N. Only steps
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from vllm.distributed.parallel_state import get_tp_group
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from megatron_tlt.spec.bandit import BanditSettings, BucketedEpsilonGreedy
@@ -85,8 +87,16 @@ class AdaptiveSpeculationScheduler(Scheduler):
         return output
 
     def _depth_for(self, batch_size: int) -> int:
-        if self.pinned_depth is not None:
+        if self.pinned_depth is not None:  # pinned alike on every rank by the caller
             return self.pinned_depth
+        tp_group = get_tp_group()
+        if tp_group.world_size == 1:
+            return self._bandit_depth(batch_size)
+        # Every rank of a tensor-parallel engine runs its own scheduler, and they must agree on every
+        # step (external_launcher's premise); rewards are timed per rank, so the first rank decides.
+        return tp_group.broadcast_object(self._bandit_depth(batch_size) if tp_group.rank_in_group == 0 else None)
+
+    def _bandit_depth(self, batch_size: int) -> int:
         if self._held_depth is not None:
             depth, self._held_depth = self._held_depth, None
             return depth

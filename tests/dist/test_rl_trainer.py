@@ -99,15 +99,20 @@ def test_killed_run_resumes_and_matches_the_uninterrupted_run(env, uninterrupted
         assert got["update/pg_loss"] == pytest.approx(want["update/pg_loss"], abs=1e-6)
 
 
-def test_trainer_runs_at_tensor_parallel_2_and_captures_drafter_features(env, tmp_path):
+def test_trainer_at_tensor_parallel_2_runs_one_engine_over_both_ranks(env, tmp_path):
     run_dir = tmp_path / "tp2"
     _train(env, *SMALL, "trainer.steps=2", "parallel.tensor_parallel_size=2", "parallel.data_parallel_size=1",
-           "trainer.capture_hidden_states=true", f"trainer.run_dir={run_dir}")
+           "trainer.capture_hidden_states=true", "drafter.speculative_tokens=2", "speculation.adaptive=true",
+           f"trainer.run_dir={run_dir}")
     records = _summary(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
-        assert record["num_samples"] == 16
-        assert len(record["rollout_idle_share"]) == 2  # both TP ranks generate a share of the prompts
+        assert record["num_samples"] == 16  # each response counted once, not once per rank of its engine
+        assert len(record["rollout_idle_share"]) == 2  # both ranks are timed
+        # the engine follows the policy's TP: one engine (one BEG-MAB) over the two ranks, which
+        # agreed on the depth of every step, else vLLM's collectives would have hung or diverged
+        assert len(record["spec/engine_steps"]) == 1 and record["spec/engine_steps"][0] > 0
+        assert len(record["spec/best_depth_by_bucket"]) == 1
         # one feature per position that predicts a next token, over all 16 sequences of the step
         assert record["hidden_state_tokens_captured"] > 16
 

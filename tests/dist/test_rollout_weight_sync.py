@@ -1,7 +1,8 @@
-"""After a weight sync from Megatron, each rank's vLLM engine continues prompts exactly as Megatron does.
+"""After a weight sync from Megatron, the vLLM engines continue prompts exactly as Megatron does.
 
-Every rank runs its own colocated engine (vLLM external_launcher, in-process, gloo); engines start
-from dummy weights, so only the sync can make them agree with the policy.
+Engines are colocated (vLLM external_launcher, in-process, gloo): one per rank, or one over a
+tensor-parallel group of ranks, each holding half of it. They start from dummy weights, so only the
+sync can make them agree with the policy.
 """
 
 import pytest
@@ -15,7 +16,7 @@ PROMPTS = [[1, 5, 7, 9], [3, 4, 100, 22, 17], [200, 13], [(7 * i) % 250 + 1 for 
 NEW_TOKENS = 16
 
 
-def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str, eagle: bool = False):
+def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str, eagle: bool = False, engine_tp: int = 1):
     from megatron_tlt import policy
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl.weight_sync import sync_policy_to_engine
@@ -29,8 +30,8 @@ def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str, eag
         if eagle:  # a drafter that knows nothing of this policy: speculation may only cost speed
             speculation = dict(speculative=SpeculativeSettings(num_speculative_tokens=3),
                                drafter=next_token_fixture(meta.arch)["good_drafter"])
-        engine = RolloutEngine(meta.arch, RolloutEngineConfig(max_model_len=256), workdir=workdir, rank=layout.rank,
-                               **speculation)
+        engine = RolloutEngine(meta.arch, RolloutEngineConfig(max_model_len=256, tensor_parallel_size=engine_tp),
+                               workdir=workdir, rank=layout.rank, **speculation)
         try:
             before = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=NEW_TOKENS))
             stats = sync_policy_to_engine(model, meta.arch, engine, padded_vocab_size=meta.padded_vocab_size,
@@ -53,11 +54,14 @@ def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str, eag
         }
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
-def test_vllm_greedy_equals_megatron_greedy_after_sync(tp, pp, rollout_llama_mcore, rollout_llama_dir, tmp_path):
+@pytest.mark.parametrize("tp, pp, engine_tp", [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1)],
+                         ids=["tp1", "tp2", "tp2-engine-tp2", "pp2"])
+def test_vllm_greedy_equals_megatron_greedy_after_sync(tp, pp, engine_tp, rollout_llama_mcore, rollout_llama_dir,
+                                                       tmp_path):
     hf = HFCheckpointReader(rollout_llama_dir)
     hf_bytes = sum(hf.get(n).numel() * hf.get(n).element_size() for n in hf.names())
-    per_rank = run_on_ranks(_sync_and_compare_on_rank, tp * pp, str(rollout_llama_mcore), tp, pp, str(tmp_path))
+    per_rank = run_on_ranks(_sync_and_compare_on_rank, tp * pp, str(rollout_llama_mcore), tp, pp, str(tmp_path),
+                            False, engine_tp)
     assert len(per_rank) == tp * pp
     for result in per_rank.values():
         assert result["before"] != result["megatron"]  # dummy weights: the sync is what makes them agree
@@ -71,8 +75,10 @@ def test_vllm_greedy_equals_megatron_greedy_after_sync(tp, pp, rollout_llama_mco
         assert result["bytes"] == hf_bytes and result["buckets"] > 4
 
 
-def test_greedy_output_with_eagle_on_equals_megatron_greedy(rollout_llama_mcore, tmp_path):
-    result = run_on_ranks(_sync_and_compare_on_rank, 1, str(rollout_llama_mcore), 1, 1, str(tmp_path), True,
-                          isolated=True)[0]
-    assert result["drafts"] > 0  # speculation really ran
-    assert result["after"] == result["megatron"]
+@pytest.mark.parametrize("tp", [1, 2], ids=["engine-tp1", "engine-tp2"])
+def test_greedy_output_with_eagle_on_equals_megatron_greedy(tp, rollout_llama_mcore, tmp_path):
+    per_rank = run_on_ranks(_sync_and_compare_on_rank, tp, str(rollout_llama_mcore), tp, 1, str(tmp_path), True, tp,
+                            isolated=True)
+    for result in per_rank.values():
+        assert result["drafts"] > 0  # speculation really ran
+        assert result["after"] == result["megatron"]
