@@ -342,9 +342,6 @@ def validate(config: TLTConfig) -> None:
     if d.speculative_tokens < 0 or d.buffer_tokens < 1 or d.pack_tokens < 1:
         raise ConfigError(f"drafter.speculative_tokens must be >= 0 and buffer_tokens, pack_tokens >= 1, got "
                           f"{d.speculative_tokens}, {d.buffer_tokens}, {d.pack_tokens}")
-    if d.spot_training and p.pipeline_parallel_size != 1:
-        raise ConfigError("drafter.spot_training needs parallel.pipeline_parallel_size 1 for now: the drafter's "
-                          "features live on the last pipeline stage only")
     if d.spot_duty_cycle is not None and not 0.0 < d.spot_duty_cycle <= 1.0:
         raise ConfigError(f"drafter.spot_duty_cycle must be in (0, 1], got {d.spot_duty_cycle}")
     if d.spot_training_steps not in ("all", "even", "odd"):

@@ -165,11 +165,12 @@ class DrafterTrainer:
         self._agreements: list[float] = []
 
     def phase_stats(self) -> dict[str, float]:
-        """This rank's drafter loss and top-1 agreement (means over its micro-steps), tokens trained and
-        micro-steps dropped by preemption."""
+        """This rank's drafter loss and top-1 agreement (means over its micro-steps), tokens trained,
+        micro-steps dropped by preemption, and the feature rows in its buffer."""
         return {"loss": statistics.fmean(self._losses) if self._losses else float("nan"),
                 "top1_agreement": statistics.fmean(self._agreements) if self._agreements else float("nan"),
-                "tokens": float(self.tokens_trained), "dropped_steps": self.dropped_steps}
+                "tokens": float(self.tokens_trained), "dropped_steps": self.dropped_steps,
+                "buffer_tokens": self.buffer.num_tokens}
 
     # -------------------------------------------------------------- one version for every engine
 

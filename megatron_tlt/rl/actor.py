@@ -5,7 +5,8 @@ the padding invisible to the real positions. Log-probs come from vocab-parallel 
 gathering the vocabulary (log p = -cross-entropy). The same forward captures, through a hook on the
 final RMSNorm, the last hidden state *after* that norm: exactly the feature vLLM hands its EAGLE
 drafter at serving time (DESIGN.md section 4, trap 1), so training and serving see the same tensor
-and no second forward is needed.
+and no second forward is needed. With pipeline parallelism the last stage shares the features with
+the other stages (``features_on_every_stage``).
 """
 
 from __future__ import annotations
@@ -93,3 +94,46 @@ def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
         hidden = [capture.outputs[k][: len(seq) - 1, j] for k, batch in enumerate(batches)
                   for j, seq in enumerate(batch)]
     return LogProbResult(token_logprobs=token_logprobs, hidden_states=hidden)
+
+
+def newest_that_fit(sequences: Sequence[Sequence[int]], max_rows: int) -> list[int]:
+    """Indices of the newest sequences whose feature rows (len - 1 each) fit ``max_rows`` together: what
+    a drafter buffer of that size keeps of them. A sequence larger than the whole budget is skipped."""
+    kept, total = [], 0
+    for i in reversed(range(len(sequences))):
+        rows = len(sequences[i]) - 1
+        if rows > max_rows:
+            continue
+        if total + rows > max_rows:
+            break
+        kept.append(i)
+        total += rows
+    return kept[::-1]
+
+
+def features_on_every_stage(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
+                            hidden_states: list[torch.Tensor] | None, *,
+                            max_rows: int) -> tuple[list[Sequence[int]], list[torch.Tensor]]:
+    """The drafter's features on every pipeline stage, so that idle ranks of every stage can train it.
+
+    Only the last stage computes them; it broadcasts those of the newest sequences that fit ``max_rows``
+    (the drafter buffer's budget: it would drop the rest) to the other stages of its pipeline group, in
+    one flat tensor whose shape every stage knows from the sequence lengths. Collective over the
+    pipeline group; returns (the sequences kept, their features) on every stage.
+    """
+    stage = mcore.stage_info()
+    if stage.pp_size == 1:
+        return list(sequences), list(hidden_states or [])
+    kept = newest_that_fit(sequences, max_rows)
+    rows = [len(sequences[i]) - 1 for i in kept]
+    if not kept:  # every stage knows it: nothing to send
+        return [], []
+    if stage.is_last_stage:
+        flat = torch.cat([hidden_states[i] for i in kept])
+    else:
+        core = mcore.unwrap(model)
+        flat = torch.empty(sum(rows), core.config.hidden_size, dtype=core.config.params_dtype,
+                           device=next(core.parameters()).device)
+    group = mcore.pipeline_parallel_group()
+    torch.distributed.broadcast(flat, src=torch.distributed.get_global_rank(group, stage.pp_size - 1), group=group)
+    return [sequences[i] for i in kept], list(torch.split(flat, rows))

@@ -34,7 +34,7 @@ from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotTrainer
 from megatron_tlt.drafter.precision import resolve_precision
 from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES, DrafterTrainer, DrafterTrainingSettings
 from megatron_tlt.rl import checkpoint, policy_source, run_dir as run_files
-from megatron_tlt.rl.actor import compute_logprobs
+from megatron_tlt.rl.actor import compute_logprobs, features_on_every_stage
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.data import PromptExample
 from megatron_tlt.rl.engine_placement import engine_placement
@@ -292,10 +292,13 @@ class RLTrainer:
             if self.reference is not None:
                 ref = compute_logprobs(self.reference, sequences, vocab_size=self.arch.vocab_size,
                                        micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id).token_logprobs
-        # Kept for the drafter trainer: the post-final-norm features of this step's sequences.
-        self.drafter_features = result.hidden_states
-        if self._spot_on and result.hidden_states:
-            self.drafter_trainer.add_sequences(sequences, result.hidden_states)
+            # The post-final-norm features of this step's sequences, for the drafter (last stage only).
+            self.drafter_features = result.hidden_states
+            if self._spot_on:  # every pipeline stage's idle ranks train: the last stage shares its features
+                kept, features = features_on_every_stage(self.model, sequences, result.hidden_states,
+                                                         max_rows=self.config.drafter.buffer_tokens)
+                if features:
+                    self.drafter_trainer.add_sequences(kept, features)
         return result.token_logprobs, ref
 
     def _update(self, samples: list[Sample], token_ids: list[list[int]], advantages: list[float], old, ref,
@@ -366,7 +369,7 @@ class RLTrainer:
             "bandit": self.engine.bandit_summary() if self.placement.is_leader else None,
             "drafter": self.drafter_stats,
             "spot": self.spot_report,
-            # counted once per replica: TP ranks hold the same features
+            # counted once per replica: the last stage's TP ranks hold the same features
             "hidden_tokens": sum(h.shape[0] for h in self.drafter_features)
             if self.drafter_features and mcore.stage_info().tp_rank == 0 else 0,
         }
@@ -530,6 +533,7 @@ def _spot_record(per_rank: list[dict], timelines: list[RankTimeline]) -> dict:
         "drafter/training_seconds": [r.training_seconds for r in reports],
         "drafter/micro_steps": [r.micro_steps for r in reports],
         "drafter/dropped_micro_steps": [s["dropped_steps"] for s in stats],
+        "drafter/buffer_tokens": [s["buffer_tokens"] for s in stats],  # every pipeline stage's ranks have features
         # from the slowest rank finishing its share to this rank leaving rollout: the preemption latency
         "drafter/release_latency_seconds": [r.released_at - slowest_done for r in reports],
         "drafter/failed": any(r.failed for r in reports),

@@ -7,18 +7,20 @@ import torch
 from megatron_tlt.launcher import run_on_ranks
 
 SEQUENCES = [[1, 5, 7, 9, 11, 13], [3, 4, 100], [200, 13, 17, 19, 23, 29, 31, 37], [42, 43]]
+SHARED_ROWS = 10  # a drafter buffer this size keeps the newest three sequences (2 + 7 + 1 rows), not the first (5)
 
 
 def _logprobs_on_rank(ckpt_dir: str, tp: int, pp: int):
     from megatron_tlt import policy
     from megatron_tlt.parallel import ParallelLayout
-    from megatron_tlt.rl.actor import compute_logprobs
+    from megatron_tlt.rl.actor import compute_logprobs, features_on_every_stage
 
     with ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp):
         model, meta = policy.load_policy_checkpoint(ckpt_dir)
         result = compute_logprobs(model, SEQUENCES, vocab_size=meta.arch.vocab_size, micro_batch_size=3,
                                   capture_hidden=True)
-        return result.token_logprobs, result.hidden_states
+        shared = features_on_every_stage(model, SEQUENCES, result.hidden_states, max_rows=SHARED_ROWS)
+        return result.token_logprobs, result.hidden_states, shared
 
 
 def _transformers_reference(hf_dir):
@@ -41,7 +43,15 @@ def test_logprobs_and_drafter_features_match_transformers(tp, pp, llama_mcore_tp
     ref_logprobs, ref_hidden = _transformers_reference(tiny_llama_dir)
     last_stage = [v for v in per_rank.values() if v[0]]
     assert len(last_stage) == tp  # every TP rank of the last stage holds the full result
-    for logprobs, hidden in last_stage:
+    for _, _, (kept, shared) in per_rank.values():  # every stage, for the drafter's idle ranks
+        if pp == 1:
+            assert kept == SEQUENCES
+        else:
+            assert kept == SEQUENCES[1:]
+        for ours, seq in zip(shared, kept):
+            ref = ref_hidden[SEQUENCES.index(seq)]
+            assert ours.shape == ref.shape and (ours - ref).abs().max() < 1e-4
+    for logprobs, hidden, _ in last_stage:
         for ours, ref, seq in zip(logprobs, ref_logprobs, SEQUENCES):
             assert ours.shape == (len(seq) - 1,)
             assert (ours - ref).abs().max() < 1e-4

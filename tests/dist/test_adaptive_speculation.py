@@ -80,7 +80,9 @@ def test_with_a_drafter_that_is_always_right_the_bandit_settles_on_the_deepest_s
 
 def test_with_a_drafter_that_is_never_right_it_turns_speculation_off(adaptive):
     depths = adaptive["bad_depths"]
-    assert depths.count(0) / len(depths) > 0.75, depths
+    # epsilon = 0.1 over 4 depths, each explored depth held two steps: ~15% of the ~96 steps explore, with
+    # a standard deviation of ~6 points (a CI run saw 26%); the bound sits three deviations below.
+    assert depths.count(0) / len(depths) > 2 / 3, depths
     assert adaptive["bad_summary"]["5-8"]["best"] == 0
 
 

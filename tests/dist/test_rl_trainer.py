@@ -117,6 +117,21 @@ def test_trainer_at_tensor_parallel_2_runs_one_engine_over_both_ranks(env, tmp_p
         assert record["hidden_state_tokens_captured"] > 16
 
 
+def test_spot_training_at_pipeline_parallel_2_feeds_the_drafter_on_both_stages(env, tmp_path):
+    run_dir = tmp_path / "pp2-spot"
+    _train(env, *SMALL, "trainer.steps=3", "trainer.save_every=3", "parallel.pipeline_parallel_size=2",
+           "parallel.data_parallel_size=1", "drafter.spot_training=true", "drafter.speculative_tokens=2",
+           "drafter.pack_tokens=64", "drafter.spot_duty_cycle=1.0", f"trainer.run_dir={run_dir}")
+    records = _summary(run_dir)
+    assert records[0]["drafter/buffer_tokens"] == [0, 0]  # the first rollout comes before any log-prob pass
+    for record in records[1:]:
+        # only the last stage (rank 1) computes features; the first stage got the same rows from it
+        first_stage, last_stage = record["drafter/buffer_tokens"]
+        assert first_stage == last_stage > 0
+        assert record["num_samples"] == 16 and len(record["rollout_idle_share"]) == 2  # an engine per stage
+    assert (run_dir / "drafter" / "step_000003" / "model.safetensors").is_file()
+
+
 def test_trainer_on_an_hf_policy_with_a_verl_style_jsonl_and_bad_rows(env, tmp_path):
     from megatron_tlt.rl import synthetic_task, tiny_default
     from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, make_tiny_hf_model

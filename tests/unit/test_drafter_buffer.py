@@ -60,3 +60,18 @@ def test_buffered_sequences_pack_directly_oldest_first():
     buffer.extend([torch.arange(6), torch.arange(9)], [torch.zeros(5, 4), torch.ones(8, 4)])
     packs = pack_sequences(buffer.sequences(), max_tokens=64)
     assert len(packs) == 1 and packs[0].num_tokens == 4 + 7 and packs[0].sequence_index_s == [0, 1]
+
+
+def test_the_features_a_pipeline_stage_shares_are_what_an_empty_buffer_would_keep():
+    """rl/actor.py sends the other pipeline stages only the newest sequences that fit the buffer."""
+    from megatron_tlt.rl.actor import newest_that_fit
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        budget = int(torch.randint(1, 30, (), generator=generator))
+        rows = torch.randint(1, 40, (int(torch.randint(0, 8, (), generator=generator)),), generator=generator).tolist()
+        buffer = HiddenStateBuffer(max_tokens=budget)
+        for i, n in enumerate(rows):
+            buffer.add(*_sequence(n, i))
+        sequences = [[0] * (n + 1) for n in rows]
+        assert newest_that_fit(sequences, budget) == _tags(buffer), (budget, rows)
