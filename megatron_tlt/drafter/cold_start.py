@@ -31,7 +31,7 @@ from megatron_tlt.drafter.precision import resolve_precision
 from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES, DrafterTrainer, DrafterTrainingSettings
 from megatron_tlt.hf_io import atomic_output_dir
 from megatron_tlt.rl import policy_source
-from megatron_tlt.rl.actor import compute_logprobs
+from megatron_tlt.rl.actor import compute_logprobs, features_on_every_stage
 from megatron_tlt.rl.data import PromptExample
 from megatron_tlt.rl.engine_placement import engine_placement
 from megatron_tlt.rl.task import Task, engine_config_for, load_task, sampling_settings
@@ -90,7 +90,7 @@ class _Session:
                                     speculative=SpeculativeSettings(num_speculative_tokens=settings.draft_tokens),
                                     drafter=self.trainer.drafter.export_tensors())
         stats = sync_policy_to_engine(self.model, task.arch, self.engine, keep=POLICY_HEAD_NAMES,
-                                      padded_vocab_size=task.arch.padded_vocab_size(mcore.stage_info().tp_size))
+                                      padded_vocab_size=mcore.unwrap(self.model).vocab_size)  # the checkpoint's
         self.trainer.set_policy_heads(stats.kept)
         self.engine.load_drafter(self.trainer.drafter.export_tensors())  # the policy reload replaced it
 
@@ -110,18 +110,23 @@ class _Session:
         gathered = [None] * self.mp_size
         dist.all_gather_object(gathered, sequences, group=self.mp_group)
         sequences = [s for part in self.placement.leaders_only(gathered) for s in part]
-        features = compute_logprobs(self.model, sequences, vocab_size=self.task.arch.vocab_size,
-                                    micro_batch_size=self.config.trainer.micro_batch_size,
-                                    pad_id=self.task.tokenizer.pad_id, capture_hidden=True).hidden_states or []
+        hidden = compute_logprobs(self.model, sequences, vocab_size=self.task.arch.vocab_size,
+                                  micro_batch_size=self.config.trainer.micro_batch_size,
+                                  pad_id=self.task.tokenizer.pad_id, capture_hidden=True).hidden_states
+        # with PP > 1 the last stage shares the features, so every stage's ranks train the drafter
+        sequences, features = features_on_every_stage(self.model, sequences, hidden,
+                                                      max_rows=self.trainer.settings.buffer_tokens)
         counts = torch.tensor([spec.num_drafts, spec.num_accepted_tokens], dtype=torch.float64)
         dist.all_reduce(counts)
         acceptance = 1.0 + counts[1].item() / counts[0].item() if counts[0] > 0 else float("nan")
         return sequences, features, acceptance
 
     def evaluate(self, sequences, features) -> dict[str, float]:
-        """Drafter loss and top-1 agreement over every rank's held-out sequences (TP replicas count once)."""
+        """Drafter loss and top-1 agreement over every rank's held-out sequences (counted once: on the
+        first TP rank of the last pipeline stage)."""
         sums = self.trainer.evaluate(sequences, features)  # zeros for a rank without sequences
-        if mcore.stage_info().tp_rank != 0:
+        stage = mcore.stage_info()
+        if stage.tp_rank != 0 or not stage.is_last_stage:
             sums = dict.fromkeys(sums, 0.0)
         totals = torch.tensor([sums["loss_sum"], sums["top1_sum"], sums["tokens"]], dtype=torch.float64)
         dist.all_reduce(totals)

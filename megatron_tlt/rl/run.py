@@ -96,9 +96,6 @@ def start_drafter_warmup(config_name: str | None, overrides: list[str], *, polic
     from megatron_tlt.launcher import run_on_ranks
 
     config = load_config(config_name, overrides)
-    if config.parallel.pipeline_parallel_size != 1:
-        raise ValueError("tlt warmup-drafter needs parallel.pipeline_parallel_size 1: the drafter's features "
-                         "live on the last pipeline stage only")
     if min(settings.prompts, settings.eval_prompts, settings.epochs, settings.draft_tokens) < 1:
         raise ValueError("--prompts, --eval-prompts, --epochs and --draft-tokens must be >= 1")
     check_output_dir(out_dir)

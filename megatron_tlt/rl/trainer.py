@@ -93,7 +93,6 @@ class RLTrainer:
         task = load_task(config)
         self.tokenizer, self.arch, self.dataset, self.held_out = task.tokenizer, task.arch, task.dataset, task.held_out
         self.arch.validate_layout(tensor_parallel_size=stage.tp_size, pipeline_parallel_size=stage.pp_size)
-        self.padded_vocab = self.arch.padded_vocab_size(stage.tp_size)
         self.reward_fn = get_reward_fn(config.data.reward)
         self.advantage_fn = get_advantage_fn(config.algorithm.advantage)
 
@@ -104,6 +103,9 @@ class RLTrainer:
             raise checkpoint.CheckpointError(f"{run_dir}: no complete checkpoint to resume from")
         source = ckpt / checkpoint.POLICY_SUBDIR if ckpt else self.initial_source
         self.model = mcore.wrap_ddp(policy_source.load_policy(config, self.arch, source))
+        # The checkpoint's vocabulary padding, which a policy saved at another TP keeps (e.g. 512 rows
+        # from TP=2 loaded at TP=1, where this layout alone would pad to 384): the sync's shapes follow it.
+        self.padded_vocab = mcore.unwrap(self.model).vocab_size
         opt = config.optimizer
         self.optimizer = mcore.build_optimizer(self.model, lr=opt.lr, weight_decay=opt.weight_decay,
                                                clip_grad=opt.clip_grad, adam_beta1=opt.adam_beta1,

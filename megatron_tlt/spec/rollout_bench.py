@@ -103,7 +103,7 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
                                     speculative=SpeculativeSettings(num_speculative_tokens=max_depth, adaptive=bandit),
                                     drafter=drafter)
         try:
-            padded = task.arch.padded_vocab_size(mcore.stage_info().tp_size)
+            padded = mcore.unwrap(model).vocab_size  # the checkpoint's vocabulary padding
             for engine in (plain, speculative):
                 sync_policy_to_engine(model, task.arch, engine, keep=POLICY_HEAD_NAMES, padded_vocab_size=padded)
             speculative.load_drafter(drafter)  # the policy reload replaced it

@@ -54,8 +54,7 @@ def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str, eag
         }
 
 
-@pytest.mark.parametrize("tp, pp, engine_tp", [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1)],
-                         ids=["tp1", "tp2", "tp2-engine-tp2", "pp2"])
+@pytest.mark.parametrize("tp, pp, engine_tp", [(1, 1, 1), (2, 1, 1), (1, 2, 1)], ids=["tp1", "tp2", "pp2"])
 def test_vllm_greedy_equals_megatron_greedy_after_sync(tp, pp, engine_tp, rollout_llama_mcore, rollout_llama_dir,
                                                        tmp_path):
     hf = HFCheckpointReader(rollout_llama_dir)
@@ -77,8 +76,11 @@ def test_vllm_greedy_equals_megatron_greedy_after_sync(tp, pp, engine_tp, rollou
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["engine-tp1", "engine-tp2"])
 def test_greedy_output_with_eagle_on_equals_megatron_greedy(tp, rollout_llama_mcore, tmp_path):
+    """At TP=2 one engine spans both ranks (half of the policy and of the drafter on each)."""
     per_rank = run_on_ranks(_sync_and_compare_on_rank, tp, str(rollout_llama_mcore), tp, 1, str(tmp_path), True, tp,
                             isolated=True)
+    assert len(per_rank) == tp
     for result in per_rank.values():
         assert result["drafts"] > 0  # speculation really ran
-        assert result["after"] == result["megatron"]
+        assert result["before"] != result["megatron"] and result["after"] == result["megatron"]
+        assert result["step_batch_sizes"][0] == len(PROMPTS)
