@@ -110,12 +110,12 @@ class _Session:
         gathered = [None] * self.mp_size
         dist.all_gather_object(gathered, sequences, group=self.mp_group)
         sequences = [s for part in self.placement.leaders_only(gathered) for s in part]
-        hidden = compute_logprobs(self.model, sequences, vocab_size=self.task.arch.vocab_size,
+        result = compute_logprobs(self.model, sequences, vocab_size=self.task.arch.vocab_size,
                                   micro_batch_size=self.config.trainer.micro_batch_size,
-                                  pad_id=self.task.tokenizer.pad_id, capture_hidden=True).hidden_states
+                                  pad_id=self.task.tokenizer.pad_id, capture_hidden=True,
+                                  max_feature_rows=self.trainer.settings.buffer_tokens)
         # with PP > 1 the last stage shares the features, so every stage's ranks train the drafter
-        sequences, features = features_on_every_stage(self.model, sequences, hidden,
-                                                      max_rows=self.trainer.settings.buffer_tokens)
+        sequences, features = features_on_every_stage(self.model, sequences, result)
         counts = torch.tensor([spec.num_drafts, spec.num_accepted_tokens], dtype=torch.float64)
         dist.all_reduce(counts)
         acceptance = 1.0 + counts[1].item() / counts[0].item() if counts[0] > 0 else float("nan")

@@ -21,13 +21,24 @@ from megatron_tlt import mcore
 
 @dataclasses.dataclass
 class LogProbResult:
-    """Per-sequence outputs of the log-prob pass (on the last pipeline stage; empty elsewhere)."""
+    """Outputs of the log-prob pass. Log-probs and features exist on the last pipeline stage only; which
+    sequences have features is known on every stage (it follows from their lengths)."""
 
     token_logprobs: list[torch.Tensor]
     """For sequence i, log p(token t+1 | tokens <= t) for t = 0 .. len-2: shape [len_i - 1]."""
-    hidden_states: list[torch.Tensor] | None
-    """For sequence i, the post-final-norm hidden state at positions 0 .. len-2: [len_i - 1, hidden]
-    (the last token's feature would draft a token after the sequence, which no example needs)."""
+    feature_indices: list[int] = dataclasses.field(default_factory=list)
+    """The sequences whose drafter features were kept: the newest that fit ``max_feature_rows``."""
+    feature_rows: list[int] = dataclasses.field(default_factory=list)
+    """Rows of each kept sequence's features: its length - 1."""
+    features: torch.Tensor | None = None
+    """The kept sequences' post-final-norm hidden states at positions 0 .. len-2, one flat
+    [sum(feature_rows), hidden] tensor in ``feature_indices`` order (the last token's feature would
+    draft a token after the sequence, which no example needs). None off the last stage."""
+
+    @property
+    def hidden_states(self) -> list[torch.Tensor] | None:
+        """The features split per kept sequence (views, no copy)."""
+        return None if self.features is None else list(torch.split(self.features, self.feature_rows))
 
 
 def _pad(sequences: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
@@ -36,32 +47,59 @@ def _pad(sequences: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
 
 
 class _FinalNormCapture:
-    """Forward hook on ``decoder.final_layernorm``: keeps its output ([s, b, h], sequence-first)."""
+    """Forward hook on ``decoder.final_layernorm`` that copies the kept sequences' rows of its output
+    ([s, b, h], sequence-first; one call per micro-batch, in order) into one preallocated tensor.
 
-    def __init__(self, model: torch.nn.Module):
-        self.outputs: list[torch.Tensor] = []
+    Only what the drafter buffer would keep is ever held: a step's rollouts are far larger than the
+    buffer at scale (70B: 256 sequences of up to 9k tokens per replica would be ~12 GiB in bf16).
+    """
+
+    def __init__(self, model: torch.nn.Module, rows_by_batch: list[list[tuple[int, int, int]]], out: torch.Tensor):
+        self.rows_by_batch, self.out, self.batch = rows_by_batch, out, 0
         self._handle = mcore.unwrap(model).decoder.final_layernorm.register_forward_hook(self._keep)
 
     def _keep(self, module, inputs, output):
-        self.outputs.append(output.detach())
+        for j, offset, rows in self.rows_by_batch[self.batch]:
+            self.out[offset:offset + rows].copy_(output[:rows, j])
+        self.batch += 1
 
     def remove(self) -> None:
         self._handle.remove()
 
 
+def _feature_buffer(model: torch.nn.Module, rows: int) -> torch.Tensor:
+    """Uninitialised [rows, hidden] in the policy's dtype and device: what every stage holds the features in."""
+    core = mcore.unwrap(model)
+    return torch.empty(rows, core.config.hidden_size, dtype=core.config.params_dtype,
+                       device=next(core.parameters()).device)
+
+
 @torch.no_grad()
 def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], *, vocab_size: int,
-                     micro_batch_size: int, pad_id: int = 0, capture_hidden: bool = False) -> LogProbResult:
+                     micro_batch_size: int, pad_id: int = 0, capture_hidden: bool = False,
+                     max_feature_rows: int | None = None) -> LogProbResult:
     """Log-probs of every next token (and optionally the drafter features) for ``sequences``.
 
-    Collective over the model-parallel ranks: every rank of a pipeline/tensor group must call it
-    with the same sequences.
+    With ``capture_hidden`` the features of the newest sequences that fit ``max_feature_rows`` (None: all)
+    are kept, what a drafter buffer of that size would keep of them. Collective over the model-parallel
+    ranks: every rank of a pipeline/tensor group must call it with the same sequences.
     """
     model.eval()
     batches = [sequences[i : i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size)]
     padded = [_pad(batch, pad_id) for batch in batches]
     stage = mcore.stage_info()
-    capture = _FinalNormCapture(model) if capture_hidden and stage.is_last_stage else None
+    kept: list[int] = []
+    if capture_hidden:
+        kept = list(range(len(sequences))) if max_feature_rows is None else newest_that_fit(sequences, max_feature_rows)
+    rows = [len(sequences[i]) - 1 for i in kept]
+    capture = None
+    if kept and stage.is_last_stage:
+        rows_by_batch: list[list[tuple[int, int, int]]] = [[] for _ in batches]
+        offset = 0
+        for i, n in zip(kept, rows):
+            rows_by_batch[i // micro_batch_size].append((i % micro_batch_size, offset, n))
+            offset += n
+        capture = _FinalNormCapture(model, rows_by_batch, _feature_buffer(model, offset))
     per_batch: list[torch.Tensor] = []
 
     def forward_step(data_iterator, stage_model):
@@ -84,16 +122,11 @@ def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
         if capture is not None:
             capture.remove()
     if not stage.is_last_stage:
-        return LogProbResult(token_logprobs=[], hidden_states=None)
+        return LogProbResult(token_logprobs=[], feature_indices=kept, feature_rows=rows)
     token_logprobs = [row[: len(seq) - 1] for batch_lp, batch in zip(per_batch, batches)
                       for row, seq in zip(batch_lp, batch)]
-    hidden = None
-    if capture is not None:
-        # The hook saw inputs[:, :-1]: features for positions 0 .. len-2; the last token's feature
-        # is never needed (no next token to draft).
-        hidden = [capture.outputs[k][: len(seq) - 1, j] for k, batch in enumerate(batches)
-                  for j, seq in enumerate(batch)]
-    return LogProbResult(token_logprobs=token_logprobs, hidden_states=hidden)
+    return LogProbResult(token_logprobs=token_logprobs, feature_indices=kept, feature_rows=rows,
+                         features=capture.out if capture is not None else None)
 
 
 def newest_that_fit(sequences: Sequence[Sequence[int]], max_rows: int) -> list[int]:
@@ -112,28 +145,22 @@ def newest_that_fit(sequences: Sequence[Sequence[int]], max_rows: int) -> list[i
 
 
 def features_on_every_stage(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
-                            hidden_states: list[torch.Tensor] | None, *,
-                            max_rows: int) -> tuple[list[Sequence[int]], list[torch.Tensor]]:
+                            result: LogProbResult) -> tuple[list[Sequence[int]], list[torch.Tensor]]:
     """The drafter's features on every pipeline stage, so that idle ranks of every stage can train it.
 
-    Only the last stage computes them; it broadcasts those of the newest sequences that fit ``max_rows``
-    (the drafter buffer's budget: it would drop the rest) to the other stages of its pipeline group, in
-    one flat tensor whose shape every stage knows from the sequence lengths. Collective over the
-    pipeline group; returns (the sequences kept, their features) on every stage.
+    Only the last stage computes them; it broadcasts its flat feature tensor (already cut to what the
+    drafter buffer keeps) to the other stages of its pipeline group, whose shape every stage knows from
+    ``result.feature_rows``. Collective over the pipeline group; returns (the sequences kept, their
+    features) on every stage.
     """
-    stage = mcore.stage_info()
-    if stage.pp_size == 1:
-        return list(sequences), list(hidden_states or [])
-    kept = newest_that_fit(sequences, max_rows)
-    rows = [len(sequences[i]) - 1 for i in kept]
+    kept, rows = result.feature_indices, result.feature_rows
     if not kept:  # every stage knows it: nothing to send
         return [], []
-    if stage.is_last_stage:
-        flat = torch.cat([hidden_states[i] for i in kept])
-    else:
-        core = mcore.unwrap(model)
-        flat = torch.empty(sum(rows), core.config.hidden_size, dtype=core.config.params_dtype,
-                           device=next(core.parameters()).device)
-    group = mcore.pipeline_parallel_group()
-    torch.distributed.broadcast(flat, src=torch.distributed.get_global_rank(group, stage.pp_size - 1), group=group)
+    flat = result.features
+    stage = mcore.stage_info()
+    if stage.pp_size > 1:
+        if not stage.is_last_stage:
+            flat = _feature_buffer(model, sum(rows))
+        group = mcore.pipeline_parallel_group()
+        torch.distributed.broadcast(flat, src=torch.distributed.get_global_rank(group, stage.pp_size - 1), group=group)
     return [sequences[i] for i in kept], list(torch.split(flat, rows))

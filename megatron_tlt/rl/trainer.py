@@ -146,7 +146,7 @@ class RLTrainer:
             self.engine.load_bandit_state(state["bandit"])  # what it learned about depths goes on
             if self.is_reporter:
                 logger.info("BEG-MAB state restored from %s", ckpt)
-        self.drafter_features: list[torch.Tensor] | None = None
+        self.feature_rows_captured = 0  # drafter features of the last log-prob pass (last stage)
         self.reporter = None
         if self.is_reporter:
             records = [r for r in run_files.read_summary(run_dir) if r["step"] <= self.start_step]
@@ -287,18 +287,18 @@ class RLTrainer:
     def _logprob_pass(self, sequences: list[list[int]], timeline: RankTimeline):
         t = self.config.trainer
         with timeline.phase("logprob"):
+            # features are cut to what the drafter buffer keeps: a step's rollouts can be far larger
             result = compute_logprobs(self.model, sequences, vocab_size=self.arch.vocab_size,
                                       micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
-                                      capture_hidden=t.capture_hidden_states or self._spot_on)
+                                      capture_hidden=t.capture_hidden_states or self._spot_on,
+                                      max_feature_rows=self.config.drafter.buffer_tokens)
             ref = None
             if self.reference is not None:
                 ref = compute_logprobs(self.reference, sequences, vocab_size=self.arch.vocab_size,
                                        micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id).token_logprobs
-            # The post-final-norm features of this step's sequences, for the drafter (last stage only).
-            self.drafter_features = result.hidden_states
+            self.feature_rows_captured = sum(result.feature_rows) if result.features is not None else 0
             if self._spot_on:  # every pipeline stage's idle ranks train: the last stage shares its features
-                kept, features = features_on_every_stage(self.model, sequences, result.hidden_states,
-                                                         max_rows=self.config.drafter.buffer_tokens)
+                kept, features = features_on_every_stage(self.model, sequences, result)
                 if features:
                     self.drafter_trainer.add_sequences(kept, features)
         return result.token_logprobs, ref
@@ -372,8 +372,7 @@ class RLTrainer:
             "drafter": self.drafter_stats,
             "spot": self.spot_report,
             # counted once per replica: the last stage's TP ranks hold the same features
-            "hidden_tokens": sum(h.shape[0] for h in self.drafter_features)
-            if self.drafter_features and mcore.stage_info().tp_rank == 0 else 0,
+            "hidden_tokens": self.feature_rows_captured if mcore.stage_info().tp_rank == 0 else 0,
         }
         gathered = [None] * self.world if self.is_reporter else None
         dist.gather_object(per_rank, gathered, dst=0)

@@ -19,8 +19,12 @@ def _logprobs_on_rank(ckpt_dir: str, tp: int, pp: int):
         model, meta = policy.load_policy_checkpoint(ckpt_dir)
         result = compute_logprobs(model, SEQUENCES, vocab_size=meta.arch.vocab_size, micro_batch_size=3,
                                   capture_hidden=True)
-        shared = features_on_every_stage(model, SEQUENCES, result.hidden_states, max_rows=SHARED_ROWS)
-        return result.token_logprobs, result.hidden_states, shared
+        # what the trainer does: capture only what the drafter buffer keeps, then share it over the stages
+        bounded = compute_logprobs(model, SEQUENCES, vocab_size=meta.arch.vocab_size, micro_batch_size=3,
+                                   capture_hidden=True, max_feature_rows=SHARED_ROWS)
+        shared = features_on_every_stage(model, SEQUENCES, bounded)
+        held = None if bounded.features is None else bounded.features.shape
+        return result.token_logprobs, result.hidden_states, shared, held
 
 
 def _transformers_reference(hf_dir):
@@ -43,15 +47,14 @@ def test_logprobs_and_drafter_features_match_transformers(tp, pp, llama_mcore_tp
     ref_logprobs, ref_hidden = _transformers_reference(tiny_llama_dir)
     last_stage = [v for v in per_rank.values() if v[0]]
     assert len(last_stage) == tp  # every TP rank of the last stage holds the full result
-    for _, _, (kept, shared) in per_rank.values():  # every stage, for the drafter's idle ranks
-        if pp == 1:
-            assert kept == SEQUENCES
-        else:
-            assert kept == SEQUENCES[1:]
+    for _, _, (kept, shared), held in per_rank.values():  # every stage, for the drafter's idle ranks
+        assert kept == SEQUENCES[1:]
+        # the last stage never held more than the buffer's rows (here exactly the three kept sequences)
+        assert held is None or held == (SHARED_ROWS, shared[0].shape[1])
         for ours, seq in zip(shared, kept):
             ref = ref_hidden[SEQUENCES.index(seq)]
             assert ours.shape == ref.shape and (ours - ref).abs().max() < 1e-4
-    for logprobs, hidden, _ in last_stage:
+    for logprobs, hidden, _, _ in last_stage:
         for ours, ref, seq in zip(logprobs, ref_logprobs, SEQUENCES):
             assert ours.shape == (len(seq) - 1,)
             assert (ours - ref).abs().max() < 1e-4
