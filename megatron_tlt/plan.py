@@ -206,8 +206,9 @@ class PlanOptions:
     recompute: str = "selective"
     sequence_parallel: bool = True
     """Megatron's ``--sequence-parallel`` (only meaningful with TP > 1)."""
-    distributed_optimizer: bool = True
-    """Megatron's ``--use-distributed-optimizer``: the fp32 master weights and Adam moments sharded over DP."""
+    distributed_optimizer: bool = False
+    """Megatron's ``--use-distributed-optimizer``: the fp32 master weights and Adam moments sharded over DP.
+    Off by default because ``tlt train`` does not use it yet (mcore.py); on, it shows what it would save."""
     engine_tp: int | None = None
     """Tensor-parallel size of each vLLM engine (default: the training TP)."""
     gpu_memory_utilization: float = 0.4
@@ -496,6 +497,11 @@ def _parts(arch, o: PlanOptions, *, params, optimizer_per_param, dp, tp, pp, per
                  "bf16, drafter/trainer.py"),
             part("drafter_buffer", f"drafter feature buffer ({o.drafter_buffer_tokens} tokens)", features, features,
                  features, "bf16 x hidden"),
+            # The log-prob pass captures (last stage) or receives (other stages) at most a buffer's worth of
+            # new features, held beside the buffer until it has copied them in: rl/actor.py. Counted at the
+            # training peak although the pass ends before the backward, so an upper bound.
+            part("drafter_features", "new features of the log-prob pass", features, 0, 0,
+                 "<= buffer, until buffered"),
             part("drafter_work", "drafter training step (spot)", 0, working, 0,
                  f"{t}-token pack, idle ranks"),
         ]
@@ -518,6 +524,7 @@ _ADVICE = {
     "drafter_state": "lower --drafter-bytes-per-param (bf16 Adam moments: 8) or turn the drafter off (--no-drafter)",
     "drafter_heads": "turn the drafter off (--no-drafter)",
     "drafter_buffer": "lower --drafter-buffer-tokens",
+    "drafter_features": "lower --drafter-buffer-tokens",
     "drafter_work": "lower --drafter-pack-tokens",
     "overhead": "use a GPU with more memory",
 }
@@ -597,6 +604,23 @@ def search_layouts(arch: PolicyArchitecture, *, nodes: int, gpus_per_node: int, 
 # ----------------------------------------------------------------------------- output
 
 
+def _trainer_gaps(o: PlanOptions, tp: int) -> list[str]:
+    """What the estimate assumes that ``tlt train`` does not do yet: it builds the policy from Megatron's
+    local layer spec (mcore.py), without sequence parallelism or selective recompute, whose
+    activations at long sequences are several times these (see README, "Known gaps")."""
+    missing = []
+    if o.recompute == "selective":
+        missing.append("selective recompute")
+    if o.sequence_parallel and tp > 1:
+        missing.append("sequence parallelism")
+    if o.distributed_optimizer:
+        missing.append("the distributed optimizer")
+    if not missing:
+        return []
+    return [f"  note: tlt train does not turn on {' or '.join(missing)} yet; the activations and state above "
+            f"assume them (README, Known gaps)"]
+
+
 def render(plan: LayoutPlan, alternatives: Sequence[LayoutPlan] | None = None, *, chosen_by_search: bool = False) -> str:
     o, arch = plan.options, plan.arch
     chosen = "  (chosen: the smallest TP x PP that fits, ties to the smaller PP)" if chosen_by_search else ""
@@ -615,6 +639,7 @@ def render(plan: LayoutPlan, alternatives: Sequence[LayoutPlan] | None = None, *
          f"{plan.world_size // plan.engine_tp} in all; KV cache for {plan.kv_cache_tokens:,} tokens per engine"),
         (f"  training: micro-batch {o.micro_batch_size} x {o.seq_len} tokens, recompute={o.recompute}, "
          f"sequence parallel {sp}, distributed optimizer {'on' if o.distributed_optimizer else 'off'}"),
+        *_trainer_gaps(o, plan.tp),
         "",
         f"memory per GPU (GiB), {table_title}:",
     ]

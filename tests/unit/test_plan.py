@@ -202,9 +202,9 @@ def test_engine_without_room_for_a_kv_cache_is_refused(llama70b):
 def test_options_move_the_estimate_the_right_way(llama70b):
     base = P.plan_layout(llama70b, nodes=8, gpus_per_node=8, tp=8, pp=4)
     part = lambda plan, key, phase="training": next(p for p in plan.parts if p.key == key).gib[phase]
-    no_dist = P.plan_layout(llama70b, nodes=8, gpus_per_node=8, tp=8, pp=4,
-                            options=P.PlanOptions(distributed_optimizer=False))
-    assert part(no_dist, "optimizer") == pytest.approx(base.dp * part(base, "optimizer"))
+    dist_opt = P.plan_layout(llama70b, nodes=8, gpus_per_node=8, tp=8, pp=4,
+                             options=P.PlanOptions(distributed_optimizer=True))
+    assert part(base, "optimizer") == pytest.approx(base.dp * part(dist_opt, "optimizer"))
     awake = P.plan_layout(llama70b, nodes=8, gpus_per_node=8, tp=8, pp=4, options=P.PlanOptions(sleep_level=0))
     assert awake.phase_gib("training") == pytest.approx(base.phase_gib("training") + 0.4 * 80)
     resident = P.plan_layout(llama70b, nodes=8, gpus_per_node=8, tp=8, pp=4,
