@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING
 
 from megatron_tlt.drafter import store
-from megatron_tlt.drafter.checkpointer import resolve_drafter_dir
+from megatron_tlt.drafter.checkpoint_paths import resolve_drafter_dir
 from megatron_tlt.hf_io import CheckpointError, atomic_output_dir, check_output_dir
-from megatron_tlt.rl import checkpoint
+from megatron_tlt.rl import checkpoint_paths
+
+if TYPE_CHECKING:
+    import torch
 
 FORMATS = ("vllm", "sglang")
 SGLANG_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
@@ -52,14 +53,14 @@ def _for_format(fmt: str, family: str, config: dict,
         return config, tensors
     hidden = tensors["fc.weight"].shape[0]
     config = dict(config, architectures=[SGLANG_ARCHITECTURES[family]], model_type=family)
-    return config, dict(tensors, **{"fc.bias": torch.zeros(hidden, dtype=tensors["fc.weight"].dtype)})
+    return config, dict(tensors, **{"fc.bias": tensors["fc.weight"].new_zeros(hidden)})
 
 
 def _target_of(source: Path, info: dict) -> str:
     """The policy the drafter was trained beside: the same run's checkpoint of the same step, if there is one."""
     step = info.get("step")
     if source.parent.name == "drafter" and step is not None:
-        policy_ckpt = checkpoint.step_dir(source.parent.parent, int(step))
+        policy_ckpt = checkpoint_paths.step_dir(source.parent.parent, int(step))
         if policy_ckpt.is_dir():
             return f"the policy of `{policy_ckpt}`"
     return str(info.get("policy", "the policy it was trained beside"))
@@ -99,6 +100,8 @@ def export_drafter(ckpt: str | Path, out_dir: str | Path, *, fmt: str = "vllm") 
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got '{fmt}'")
     source = resolve_drafter_dir(ckpt)
     check_output_dir(out_dir)
+    from safetensors.torch import load_file, save_file  # deferred: imports torch (~1.9 s); refusals come first
+
     config = json.loads((source / store.CONFIG_FILE).read_text())
     tensors = load_file(str(source / store.WEIGHTS_FILE))
     _check_serving_names(tensors)

@@ -11,11 +11,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from megatron_tlt import weights
 from megatron_tlt.hf_io import HFCheckpointReader, atomic_output_dir, check_output_dir, copy_tokenizer_files
 from megatron_tlt.launcher import run_on_ranks
 from megatron_tlt.model_config import load_architecture
-from megatron_tlt.policy import FORMAT_VERSION, PolicyCheckpointMeta, dtype_name
+from megatron_tlt.policy_meta import FORMAT_VERSION, PolicyCheckpointMeta
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +38,10 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     hf_dir = Path(hf_dir)
     arch = load_architecture(hf_dir)
     arch.validate_layout(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    # deferred: torch (~1.9 s) and Megatron (~3.5 s) to import; a bad config or layout is refused first
+    from megatron_tlt import weights
+    from megatron_tlt.policy import dtype_name
+
     reader = HFCheckpointReader(hf_dir)
     reader.require(weights.hf_names(arch))
     check_output_dir(out_dir)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megatron_tlt.hf_io import atomic_output_dir, check_output_dir, copy_tokenizer_files, write_hf_weights
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.policy import PolicyCheckpointMeta
+from megatron_tlt.policy_meta import PolicyCheckpointMeta
 
 logger = logging.getLogger(__name__)
 

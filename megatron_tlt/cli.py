@@ -41,7 +41,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_warmup_drafter(args: argparse.Namespace) -> int:
-    from megatron_tlt.drafter.cold_start import ColdStartSettings
+    from megatron_tlt.drafter.cold_start_settings import ColdStartSettings
     from megatron_tlt.rl.run import start_drafter_warmup
 
     settings = ColdStartSettings(prompts=args.prompts, eval_prompts=args.eval_prompts, epochs=args.epochs,
@@ -86,7 +86,7 @@ def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
 
 def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     from checkpoints_tools.mcore_to_hf import convert_mcore_to_hf
-    from megatron_tlt.rl.checkpoint import resolve_policy_dir
+    from megatron_tlt.rl.checkpoint_paths import resolve_policy_dir
 
     ckpt = resolve_policy_dir(args.ckpt)  # a run's latest checkpoint, a checkpoint or a policy checkpoint
     out = convert_mcore_to_hf(ckpt, args.out, max_shard_size=args.max_shard_size)

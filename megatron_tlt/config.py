@@ -19,10 +19,11 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from megatron_tlt.drafter.precision import PRECISIONS
-from megatron_tlt.spec.engine import RolloutEngineConfig
+from megatron_tlt.spec.engine_config import RolloutEngineConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
+# drafter.precision's choices; drafter/precision.py says what each means (it imports torch, so they live here)
+DRAFTER_PRECISIONS = ("auto", "fp32", "bf16", "fp8")
 
 
 class ConfigError(ValueError):
@@ -346,8 +347,8 @@ def validate(config: TLTConfig) -> None:
         raise ConfigError(f"drafter.spot_duty_cycle must be in (0, 1], got {d.spot_duty_cycle}")
     if d.spot_training_steps not in ("all", "even", "odd"):
         raise ConfigError(f"drafter.spot_training_steps must be all, even or odd, got '{d.spot_training_steps}'")
-    if d.precision not in PRECISIONS:
-        raise ConfigError(f"drafter.precision must be {', '.join(PRECISIONS)}, got '{d.precision}'")
+    if d.precision not in DRAFTER_PRECISIONS:
+        raise ConfigError(f"drafter.precision must be {', '.join(DRAFTER_PRECISIONS)}, got '{d.precision}'")
     if d.init_dir is not None and not (Path(d.init_dir).expanduser() / "model.safetensors").is_file():
         raise ConfigError(f"drafter.init_dir {d.init_dir}: no model.safetensors there (expected an EAGLE "
                           "drafter directory, e.g. from `tlt warmup-drafter`)")

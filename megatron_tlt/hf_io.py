@@ -15,11 +15,13 @@ import shutil
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -97,6 +99,8 @@ class HFCheckpointReader:
 
 def write_hf_weights(tensors: dict[str, torch.Tensor], out_dir: Path, *, max_shard_size: str = "2GB") -> None:
     """Save tensors as safetensors, sharded with an index when larger than ``max_shard_size``."""
+    from safetensors.torch import save_file  # deferred: imports torch (~1.9 s), which validating input needs not
+
     split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():

@@ -13,9 +13,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
 
 class WorkerFailed(RuntimeError):
     """A launched rank raised; the message is the root cause reported by that rank."""
@@ -75,6 +72,10 @@ def run_on_ranks(fn: Callable, nprocs: int, *args: Any, isolated: bool = False) 
     """
     if (nprocs == 1 and not isolated) or launched_world_size() == nprocs:
         return {int(os.environ.get("RANK", 0)): fn(*args)}
+    # deferred: torch takes ~1.9 s to import, and every tlt command imports this module before it validates
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     silence_known_dependency_warnings()
     config = LaunchConfig(
         min_nodes=1,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -27,14 +26,14 @@ from pathlib import Path
 import torch
 
 from megatron_tlt.drafter import store
-from megatron_tlt.hf_io import CheckpointError
+# Paths and listings are checkpoint_paths' (the CLI's, without torch); still importable from here
+from megatron_tlt.drafter.checkpoint_paths import (DRAFTER_DIR, drafter_checkpoint_for,  # noqa: F401
+                                                   list_drafter_checkpoints, resolve_drafter_dir)
 from megatron_tlt.model_config import PolicyArchitecture
 
 logger = logging.getLogger(__name__)
 
-DRAFTER_DIR = "drafter"
 ADAM_SUBDIR = "adam"
-_STEP_DIR = re.compile(r"step_(\d{6})$")
 
 
 def _step_name(step: int) -> str:
@@ -43,35 +42,6 @@ def _step_name(step: int) -> str:
 
 def _adam_file(run_dir: Path, step: int, rank: int, world: int) -> Path:
     return run_dir / DRAFTER_DIR / ADAM_SUBDIR / f"{_step_name(step)}_rank{rank}of{world}.pt"
-
-
-def list_drafter_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete drafter checkpoints of a run as (step, directory), oldest first."""
-    root = Path(run_dir) / DRAFTER_DIR
-    found = []
-    for path in root.glob("step_*") if root.is_dir() else []:
-        match = _STEP_DIR.match(path.name)
-        if match and (path / store.INFO_FILE).is_file():
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def drafter_checkpoint_for(run_dir: Path, step: int) -> tuple[int, Path] | None:
-    """The drafter checkpoint to resume step ``step`` with: the newest one not after it."""
-    usable = [(s, p) for s, p in list_drafter_checkpoints(run_dir) if s <= step]
-    return usable[-1] if usable else None
-
-
-def resolve_drafter_dir(path: str | Path) -> Path:
-    """An EAGLE drafter directory from itself, a run's ``drafter/step_N`` or a run (its latest drafter)."""
-    path = Path(path)
-    if (path / store.WEIGHTS_FILE).is_file():
-        return path
-    found = list_drafter_checkpoints(path)
-    if not found:
-        raise CheckpointError(f"{path}: neither a drafter directory ({store.WEIGHTS_FILE}) nor a run with "
-                              "drafter checkpoints (drafter/step_N)")
-    return found[-1][1]
 
 
 def _to_cpu(value):

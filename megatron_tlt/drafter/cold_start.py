@@ -14,7 +14,6 @@ an RL run from and vLLM serves.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 import tempfile
@@ -27,6 +26,7 @@ from tqdm import tqdm
 from megatron_tlt import mcore
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter import store
+from megatron_tlt.drafter.cold_start_settings import ColdStartSettings  # re-exported: the CLI's, without Megatron
 from megatron_tlt.drafter.precision import resolve_precision
 from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES, DrafterTrainer, DrafterTrainingSettings
 from megatron_tlt.hf_io import atomic_output_dir
@@ -40,15 +40,6 @@ from megatron_tlt.spec.engine import RolloutEngine, SpeculativeSettings
 from megatron_tlt.spec.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ColdStartSettings:
-    prompts: int = 1024
-    """Training prompts (one response each), over all data-parallel ranks."""
-    eval_prompts: int = 128
-    epochs: int = 3
-    draft_tokens: int = 2
-    """Draft depth of the acceptance measurement."""
 
 
 def _split_prompts(task: Task, settings: ColdStartSettings) -> tuple[list[PromptExample], list[PromptExample]]:

@@ -17,7 +17,8 @@ import dataclasses
 import torch
 from torch import nn
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp8")
+from megatron_tlt.config import DRAFTER_PRECISIONS as PRECISIONS
+
 _FP8_MIN_CAPABILITY = (8, 9)
 
 

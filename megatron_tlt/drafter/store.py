@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING
 
 from megatron_tlt.hf_io import CheckpointError
 from megatron_tlt.model_config import PolicyArchitecture
 from megatron_tlt.spec.eagle import DrafterMismatch, eagle_drafter_config, validate_drafter
+
+if TYPE_CHECKING:
+    import torch
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -28,6 +29,8 @@ INFO_FILE = "tlt_drafter.json"
 def write_drafter_files(directory: Path, arch: PolicyArchitecture, tensors: dict[str, torch.Tensor],
                         info: dict) -> None:
     """Write a drafter into an existing (staging) directory; ``info`` goes to tlt_drafter.json."""
+    from safetensors.torch import save_file  # deferred: imports torch, which checking a drafter directory needs not
+
     validate_drafter(arch, tensors)
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(directory / WEIGHTS_FILE),
               metadata={"format": "pt"})
@@ -45,6 +48,8 @@ def read_drafter_tensors(directory: str | Path, arch: PolicyArchitecture) -> dic
     path = Path(directory) / WEIGHTS_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {WEIGHTS_FILE}; not a drafter directory")
+    from safetensors.torch import load_file
+
     tensors = load_file(str(path))
     try:
         validate_drafter(arch, tensors)

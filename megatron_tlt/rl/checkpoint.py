@@ -23,16 +23,10 @@ import torch.distributed as dist
 
 from megatron_tlt import mcore, policy
 from megatron_tlt.hf_io import CheckpointError
-
-CHECKPOINTS_DIR = "checkpoints"
-POLICY_SUBDIR = "policy"
-OPTIMIZER_SUBDIR = "optimizer"
-TRAINER_META = "trainer.json"
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    """Where a run's checkpoint of ``step`` lives (complete or not)."""
-    return run_dir / CHECKPOINTS_DIR / f"step_{step:06d}"
+# Paths and listings are checkpoint_paths' (the CLI's, without torch or Megatron); still importable from here
+from megatron_tlt.rl.checkpoint_paths import (CHECKPOINTS_DIR, OPTIMIZER_SUBDIR, POLICY_SUBDIR,  # noqa: F401
+                                              TRAINER_META, checkpoint_step, latest_checkpoint, list_checkpoints,
+                                              resolve_policy_dir, step_dir)
 
 
 def rng_state() -> dict:
@@ -102,24 +96,6 @@ def load_optimizer_state(directory: Path, optimizer) -> None:
     optimizer.load_state_dict(torch.load(_optimizer_file(directory), weights_only=False))
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = run_dir / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    complete = [p for p in root.glob("step_*") if (p / TRAINER_META).is_file()]
-    return sorted(complete, key=lambda p: int(p.name.split("_")[1]))
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def checkpoint_step(ckpt: Path) -> int:
-    return int(json.loads((ckpt / TRAINER_META).read_text())["step"])
-
-
 def load_checkpoint_state(ckpt: Path, *, optimizer) -> dict:
     """Load the optimizer (must be built for the same TP/PP layout) and return this rank's trainer
     state (sampler position and RNG). The policy itself is loaded by ``policy.load_policy_checkpoint``."""
@@ -137,18 +113,3 @@ def load_checkpoint_state(ckpt: Path, *, optimizer) -> dict:
     if not trainer_file.is_file():  # resumed on more ranks than saved: rank 0's RNG, the sampler re-slices
         trainer_file = ckpt / "trainer" / "rank0.pt"
     return torch.load(trainer_file, weights_only=False)
-
-
-def resolve_policy_dir(path: str | Path) -> Path:
-    """A policy checkpoint directory from a run directory (its latest checkpoint), a checkpoint
-    (``checkpoints/step_N``) or a policy checkpoint itself."""
-    path = Path(path)
-    if (path / policy.META_FILE).is_file():
-        return path
-    if (path / TRAINER_META).is_file():
-        return path / POLICY_SUBDIR
-    latest = latest_checkpoint(path)
-    if latest is not None:
-        return latest / POLICY_SUBDIR
-    raise CheckpointError(f"{path}: not a megatron-tlt checkpoint: not a run directory, a checkpoint or a policy "
-                          f"checkpoint ({policy.META_FILE} missing)")

@@ -15,8 +15,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TypeVar
 
-import torch.distributed as dist
-
 T = TypeVar("T")
 
 
@@ -72,6 +70,8 @@ def resolve_engine_tensor_parallel_size(configured: int | None, policy_tensor_pa
 
 def engine_placement(engine_tensor_parallel_size: int) -> EnginePlacement:
     """This rank's placement (Megatron's groups must exist)."""
+    import torch.distributed as dist
+
     from megatron_tlt import mcore  # imports megatron.core: not for config validation
 
     resolve_engine_tensor_parallel_size(engine_tensor_parallel_size, mcore.stage_info().tp_size)

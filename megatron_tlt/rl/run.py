@@ -47,7 +47,7 @@ def _check_layout(config) -> None:
 def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str | None = None):
     """Run to ``trainer.steps``; returns (run directory, summary records)."""
     from megatron_tlt.launcher import launched_world_size, run_on_ranks
-    from megatron_tlt.rl import checkpoint
+    from megatron_tlt.rl import checkpoint_paths
 
     config = _load(config_name, overrides, resume_dir)
     _check_layout(config)  # before any directory is made or rank started
@@ -61,7 +61,7 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
     writer = not under_torchrun or int(os.environ.get("RANK", "0")) == 0
     if resume_dir is not None:
         run_dir = Path(resume_dir)
-        if checkpoint.latest_checkpoint(run_dir) is None:
+        if checkpoint_paths.latest_checkpoint(run_dir) is None:
             raise run_files.RunDirError(f"{run_dir}: no complete checkpoint to resume from")
         config.trainer.run_dir = str(run_dir)
         if writer:
@@ -91,7 +91,7 @@ def _warm_up_drafter_on_rank(config, policy_dir, out_dir: str, settings):
 def start_drafter_warmup(config_name: str | None, overrides: list[str], *, policy: str | None, out_dir: str,
                          settings) -> dict:
     """Warm a drafter up offline (``drafter/cold_start.py``); returns its before/after figures."""
-    from megatron_tlt.rl.checkpoint import resolve_policy_dir
+    from megatron_tlt.rl.checkpoint_paths import resolve_policy_dir
     from megatron_tlt.hf_io import check_output_dir
     from megatron_tlt.launcher import run_on_ranks
 
@@ -122,7 +122,7 @@ def bench_drafter(config_name: str | None, overrides: list[str]) -> Path:
     """The benchmarks' warm-up drafter of the config's initial policy, made on first use and cached."""
     import dataclasses
 
-    from megatron_tlt.drafter.cold_start import ColdStartSettings
+    from megatron_tlt.drafter.cold_start_settings import ColdStartSettings
     from megatron_tlt.rl import tiny_default
 
     config = load_config(config_name, overrides)
@@ -139,9 +139,9 @@ def bench_drafter(config_name: str | None, overrides: list[str]) -> Path:
 def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy: str | None, drafter: str | None,
                         settings) -> dict:
     """``tlt bench rollout``: no speculation vs fixed depths vs BEG-MAB on one rollout, in one rank process."""
-    from megatron_tlt.drafter.checkpointer import resolve_drafter_dir
+    from megatron_tlt.drafter.checkpoint_paths import resolve_drafter_dir
     from megatron_tlt.launcher import run_on_ranks
-    from megatron_tlt.rl.checkpoint import resolve_policy_dir
+    from megatron_tlt.rl.checkpoint_paths import resolve_policy_dir
 
     config = load_config(config_name, overrides)
     if settings.prompts < 1 or settings.rounds < 1 or not settings.depths or min(settings.depths) < 1:

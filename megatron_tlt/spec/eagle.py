@@ -7,9 +7,12 @@ holds ``fc.weight`` [H, 2H] and ``layers.0.*`` only: the embedding and LM head a
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_tlt.model_config import PolicyArchitecture
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DrafterMismatch(ValueError):

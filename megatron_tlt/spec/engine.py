@@ -31,6 +31,7 @@ from megatron_tlt.model_config import PolicyArchitecture
 from megatron_tlt.spec.bandit import BanditSettings
 from megatron_tlt.spec.cuda_graphs import speculation_schedule
 from megatron_tlt.spec.eagle import eagle_drafter_config, validate_drafter
+from megatron_tlt.spec.engine_config import RolloutEngineConfig
 from megatron_tlt.spec.metrics import SpecDecodeStats, acceptance_collapsed
 
 logger = logging.getLogger(__name__)
@@ -41,29 +42,6 @@ CPU_SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 class EngineError(RuntimeError):
     """The rollout engine could not start or serve a request; the message says why."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class RolloutEngineConfig:
-    """How each rank's vLLM engine is built."""
-
-    max_model_len: int | None = None
-    """Longest prompt + response, in tokens (default: the model's positions, at most 4096)."""
-    dtype: str = "float32"
-    """Weights and activations in the engine (match the policy's for exact greedy agreement)."""
-    kv_cache_gib: float = 1.0
-    """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU see gpu_memory_utilization."""
-    gpu_memory_utilization: float = 0.4
-    """Share of GPU memory the colocated engine may take; the rest stays for Megatron."""
-    enforce_eager: bool = True
-    """Skip graph compilation (CPU start-up ~11 s instead of ~29 s)."""
-    seed: int = 0
-    """Engine seed; per-request seeds make sampling reproducible regardless."""
-    max_num_seqs: int = 256
-    """Most sequences decoded together."""
-    tensor_parallel_size: int | None = None
-    """Ranks that share one engine (vLLM tensor parallelism over consecutive ranks); None: the policy's
-    tensor_parallel_size. Must divide it. 1 gives every rank a whole engine of its own."""
 
 
 @dataclasses.dataclass(kw_only=True)
