@@ -16,8 +16,7 @@ import torch
 from megatron_tlt import mcore, weights
 from megatron_tlt.hf_io import CheckpointError
 from megatron_tlt.model_config import PolicyArchitecture
-# tlt_checkpoint.json is policy_meta's (readable without torch or Megatron); its names stay importable from here
-from megatron_tlt.policy_meta import FORMAT_VERSION, META_FILE, MODEL_SUBDIR, PolicyCheckpointMeta  # noqa: F401
+from megatron_tlt.policy_meta import MODEL_SUBDIR, PolicyCheckpointMeta
 
 
 def dtype_name(dtype: torch.dtype) -> str:

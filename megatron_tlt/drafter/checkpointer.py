@@ -26,9 +26,7 @@ from pathlib import Path
 import torch
 
 from megatron_tlt.drafter import store
-# Paths and listings are checkpoint_paths' (the CLI's, without torch); still importable from here
-from megatron_tlt.drafter.checkpoint_paths import (DRAFTER_DIR, drafter_checkpoint_for,  # noqa: F401
-                                                   list_drafter_checkpoints, resolve_drafter_dir)
+from megatron_tlt.drafter.checkpoint_paths import DRAFTER_DIR, list_drafter_checkpoints
 from megatron_tlt.model_config import PolicyArchitecture
 
 logger = logging.getLogger(__name__)

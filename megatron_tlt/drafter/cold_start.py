@@ -26,7 +26,7 @@ from tqdm import tqdm
 from megatron_tlt import mcore
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter import store
-from megatron_tlt.drafter.cold_start_settings import ColdStartSettings  # re-exported: the CLI's, without Megatron
+from megatron_tlt.drafter.cold_start_settings import ColdStartSettings
 from megatron_tlt.drafter.precision import resolve_precision
 from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES, DrafterTrainer, DrafterTrainingSettings
 from megatron_tlt.hf_io import atomic_output_dir

@@ -17,7 +17,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from megatron_tlt.config import DRAFTER_PRECISIONS as PRECISIONS
+from megatron_tlt.config import DRAFTER_PRECISIONS
 
 _FP8_MIN_CAPABILITY = (8, 9)
 
@@ -49,8 +49,8 @@ def fp8_unavailable_reason() -> str | None:
 
 
 def resolve_precision(requested: str) -> DrafterPrecision:
-    if requested not in PRECISIONS:
-        raise ValueError(f"drafter.precision must be one of {', '.join(PRECISIONS)}, got '{requested}'")
+    if requested not in DRAFTER_PRECISIONS:
+        raise ValueError(f"drafter.precision must be one of {', '.join(DRAFTER_PRECISIONS)}, got '{requested}'")
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     if requested == "fp32":

@@ -23,10 +23,7 @@ import torch.distributed as dist
 
 from megatron_tlt import mcore, policy
 from megatron_tlt.hf_io import CheckpointError
-# Paths and listings are checkpoint_paths' (the CLI's, without torch or Megatron); still importable from here
-from megatron_tlt.rl.checkpoint_paths import (CHECKPOINTS_DIR, OPTIMIZER_SUBDIR, POLICY_SUBDIR,  # noqa: F401
-                                              TRAINER_META, checkpoint_step, latest_checkpoint, list_checkpoints,
-                                              resolve_policy_dir, step_dir)
+from megatron_tlt.rl.checkpoint_paths import OPTIMIZER_SUBDIR, POLICY_SUBDIR, TRAINER_META, list_checkpoints, step_dir
 
 
 def rng_state() -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_tlt import mcore, policy
+from megatron_tlt import mcore, policy, policy_meta
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.hf_io import HFCheckpointReader
 from megatron_tlt.model_config import PolicyArchitecture
@@ -27,11 +27,11 @@ from megatron_tlt.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def checkpoint_meta(arch: PolicyArchitecture, dtype: str) -> policy.PolicyCheckpointMeta:
+def checkpoint_meta(arch: PolicyArchitecture, dtype: str) -> policy_meta.PolicyCheckpointMeta:
     """What a policy checkpoint written at the current layout records."""
     stage = mcore.stage_info()
-    return policy.PolicyCheckpointMeta(
-        format_version=policy.FORMAT_VERSION, hf_config=arch.hf_config,
+    return policy_meta.PolicyCheckpointMeta(
+        format_version=policy_meta.FORMAT_VERSION, hf_config=arch.hf_config,
         padded_vocab_size=arch.padded_vocab_size(stage.tp_size), dtype=dtype,
         saved_tensor_parallel_size=stage.tp_size, saved_pipeline_parallel_size=stage.pp_size)
 
@@ -94,7 +94,7 @@ def initial_policy_dir(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyArch
     if config.model.hf_dir is not None:
         return None
     final = warmed_up_dir(config, tokenizer)
-    if not (final / policy.META_FILE).is_file():
+    if not (final / policy_meta.META_FILE).is_file():
         _warm_up_tiny_policy(config, tokenizer, arch, final, show_progress)
     elif show_progress:
         logger.info("using the cached warmed-up policy %s", final)

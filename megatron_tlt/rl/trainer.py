@@ -29,11 +29,12 @@ import torch.distributed as dist
 
 from megatron_tlt import config as config_mod, mcore
 from megatron_tlt.config import TLTConfig
+from megatron_tlt.drafter import checkpoint_paths as drafter_checkpoint_paths
 from megatron_tlt.drafter import checkpointer as drafter_checkpoints, store as drafter_store
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotTrainer
 from megatron_tlt.drafter.precision import resolve_precision
 from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES, DrafterTrainer, DrafterTrainingSettings
-from megatron_tlt.rl import checkpoint, policy_source, run_dir as run_files
+from megatron_tlt.rl import checkpoint, checkpoint_paths, policy_source, run_dir as run_files
 from megatron_tlt.rl.actor import compute_logprobs, features_on_every_stage
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.data import PromptExample
@@ -98,10 +99,10 @@ class RLTrainer:
 
         self.initial_source = policy_source.initial_policy_dir(config, self.tokenizer, self.arch,
                                                                show_progress=self.is_reporter)
-        ckpt = checkpoint.latest_checkpoint(run_dir) if resume else None
+        ckpt = checkpoint_paths.latest_checkpoint(run_dir) if resume else None
         if resume and ckpt is None:
             raise checkpoint.CheckpointError(f"{run_dir}: no complete checkpoint to resume from")
-        source = ckpt / checkpoint.POLICY_SUBDIR if ckpt else self.initial_source
+        source = ckpt / checkpoint_paths.POLICY_SUBDIR if ckpt else self.initial_source
         self.model = mcore.wrap_ddp(policy_source.load_policy(config, self.arch, source))
         # The checkpoint's vocabulary padding, which a policy saved at another TP keeps (e.g. 512 rows
         # from TP=2 loaded at TP=1, where this layout alone would pad to 384): the sync's shapes follow it.
@@ -128,7 +129,7 @@ class RLTrainer:
             state = checkpoint.load_checkpoint_state(ckpt, optimizer=self.optimizer)
             self.sampler.load_state_dict(state["sampler"])
             checkpoint.set_rng_state(state["rng"])
-            self.start_step = checkpoint.checkpoint_step(ckpt)
+            self.start_step = checkpoint_paths.checkpoint_step(ckpt)
             self.lr_schedule.step(self.start_step * config.trainer.updates_per_step)  # a function of the step
             if self.is_reporter:
                 logger.info("resuming %s from step %d (%s)", run_dir, self.start_step, ckpt)
@@ -182,7 +183,7 @@ class RLTrainer:
         """A resumed run continues its own drafter; a new one starts from ``drafter.init_dir`` if set."""
         found = None
         if self.start_step > 0 and self.config.drafter.spot_training:
-            found = drafter_checkpoints.drafter_checkpoint_for(self.run_dir, self.start_step)
+            found = drafter_checkpoint_paths.drafter_checkpoint_for(self.run_dir, self.start_step)
             if found is None and self.is_reporter:
                 logger.warning("%s: no drafter checkpoint at or before step %d; the drafter starts again from "
                                "its initial weights", self.run_dir, self.start_step)

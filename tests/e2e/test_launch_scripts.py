@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_tlt.config import load_config, world_size
-from megatron_tlt.rl.checkpoint import CHECKPOINTS_DIR, TRAINER_META
+from megatron_tlt.rl.checkpoint_paths import CHECKPOINTS_DIR, TRAINER_META
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_SCRIPT = REPO / "launch" / "slurm_llama70b_8x8.sbatch"

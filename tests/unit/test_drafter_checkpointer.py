@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from megatron_tlt.drafter import checkpointer, store
+from megatron_tlt.drafter import checkpoint_paths, checkpointer, store
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.hf_io import CheckpointError
 from megatron_tlt.model_config import architecture_from_dict
@@ -36,7 +36,7 @@ def _save(run_dir, step, drafter, optimizer, *, rank=0, world=1, keep=2):
 def test_saved_drafter_is_a_servable_eagle_dir_and_round_trips_exactly(tmp_path):
     drafter, optimizer = _trained_drafter()
     _save(tmp_path, 4, drafter, optimizer)
-    [(step, directory)] = checkpointer.list_drafter_checkpoints(tmp_path)
+    [(step, directory)] = checkpoint_paths.list_drafter_checkpoints(tmp_path)
     assert step == 4 and directory.name == "step_000004"
     config = json.loads((directory / store.CONFIG_FILE).read_text())
     assert config["num_hidden_layers"] == 1 and config["architectures"] == ["LlamaForCausalLM"]
@@ -73,10 +73,10 @@ def test_partial_writes_are_ignored_and_the_resume_point_is_the_newest_not_after
     for step in (2, 4):
         _save(tmp_path, step, drafter, optimizer, keep=3)
     (tmp_path / "drafter" / ".step_000006.partial").mkdir()  # a run killed mid-write
-    assert [s for s, _ in checkpointer.list_drafter_checkpoints(tmp_path)] == [2, 4]
-    assert checkpointer.drafter_checkpoint_for(tmp_path, 5)[0] == 4
-    assert checkpointer.drafter_checkpoint_for(tmp_path, 3)[0] == 2
-    assert checkpointer.drafter_checkpoint_for(tmp_path, 1) is None
+    assert [s for s, _ in checkpoint_paths.list_drafter_checkpoints(tmp_path)] == [2, 4]
+    assert checkpoint_paths.drafter_checkpoint_for(tmp_path, 5)[0] == 4
+    assert checkpoint_paths.drafter_checkpoint_for(tmp_path, 3)[0] == 2
+    assert checkpoint_paths.drafter_checkpoint_for(tmp_path, 1) is None
     # no Adam file for this rank layout: the caller starts a fresh Adam
     assert not checkpointer.load_adam_state(tmp_path, 4, optimizer, rank=1, world=2)
 
@@ -86,7 +86,7 @@ def test_only_the_newest_checkpoints_are_kept_per_rank(tmp_path):
     for step in (1, 2, 3):
         for rank in (0, 1):
             _save(tmp_path, step, drafter, optimizer, rank=rank, world=2, keep=2)
-    assert [s for s, _ in checkpointer.list_drafter_checkpoints(tmp_path)] == [2, 3]
+    assert [s for s, _ in checkpoint_paths.list_drafter_checkpoints(tmp_path)] == [2, 3]
     adam = sorted(p.name for p in (tmp_path / "drafter" / "adam").iterdir())
     assert adam == ["step_000002_rank0of2.pt", "step_000002_rank1of2.pt",
                     "step_000003_rank0of2.pt", "step_000003_rank1of2.pt"]
@@ -99,7 +99,7 @@ def test_a_failed_write_is_logged_and_keeps_the_previous_checkpoint(tmp_path, ca
     with caplog.at_level(logging.ERROR):
         _save(tmp_path, 4, drafter, optimizer)
     assert "drafter checkpoint of step 4 was not written" in caplog.text
-    assert [s for s, _ in checkpointer.list_drafter_checkpoints(tmp_path)] == [2]
+    assert [s for s, _ in checkpoint_paths.list_drafter_checkpoints(tmp_path)] == [2]
 
 
 def test_reading_refuses_a_missing_or_mismatched_drafter(tmp_path):
