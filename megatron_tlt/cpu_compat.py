@@ -4,7 +4,8 @@ Megatron-Core assumes CUDA in a handful of places that have nothing to do with t
   * tensors created with ``device="cuda"`` / ``torch.cuda.current_device()`` / ``.cuda()``
     (memory buffers, pipeline p2p, the fp32 optimizer, rotary embeddings);
   * ``torch.cuda.current_stream()`` in gradient synchronisation;
-  * the CUDA RNG tracker that forks per-tensor-parallel-rank random streams;
+  * the CUDA RNG tracker that forks per-tensor-parallel-rank random streams, and the CUDA generator
+    state that activation recompute saves and restores;
   * ``assert grad.type() == 'torch.cuda.FloatTensor'`` in gradient clipping.
 
 ``enable()`` redirects all of them to the CPU, process-wide, and only when CUDA is absent:
@@ -28,6 +29,7 @@ spec, the distributed optimizer, Transformer Engine layer specs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -57,6 +59,11 @@ def _is_cuda_device(device) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+def _cuda_type_name(cpu_type_name: str) -> str:
+    """'torch.FloatTensor' -> 'torch.cuda.FloatTensor': the name the same tensor would have on CUDA."""
+    return cpu_type_name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in cpu_type_name else cpu_type_name
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA device arguments of every torch call to the CPU."""
 
@@ -64,6 +71,9 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Megatron's optimizers and grad clipping dispatch on 'torch.cuda.FloatTensor' and the like.
+            return _cuda_type_name(func(*args))
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
@@ -156,7 +166,9 @@ def enable() -> bool:
 
     # The mode must outlive any single call: Megatron allocates CUDA buffers lazily.
     _CudaToCpuMode().__enter__()
-    torch.cuda.current_device = lambda: 0
+    # The CPU itself, not an index: tensors Megatron makes with device=torch.cuda.current_device() then land
+    # on the CPU also in backward passes, which run outside the redirecting mode.
+    torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.current_stream = lambda device=None: _NullStream()
     torch.cuda.synchronize = lambda device=None: None
 
@@ -166,7 +178,17 @@ def enable() -> bool:
     tracker = _make_cpu_rng_tracker()()
     mc_random._CUDA_RNG_STATE_TRACKER = tracker
     mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute saves and restores every generator around the recomputed forward: the CPU one
+    # (torch.get_rng_state) and the tracker's streams are already part of that; there is no CUDA one.
+    mc_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    mc_random._set_cuda_rng_state = lambda *args, **kwargs: None
     mc_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    # The local attention's causal mask is made with device="cuda"; in a recomputed forward (run by the
+    # autograd engine, where the device-redirecting mode is not active) that call would reach CUDA.
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = functools.lru_cache(maxsize=8)(
+        lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1))
     _enabled = True
     logger.info("megatron_tlt.cpu_compat enabled: Megatron-Core CUDA calls redirected to CPU")
     return True

@@ -1,9 +1,11 @@
 """The one adapter to Megatron-Core: build the policy, run its schedules, save and load it.
 
 Nothing else in megatron_tlt imports ``megatron.core`` (the CPU shim aside), so an upgrade of
-Megatron-Core touches this file only. The policy uses Megatron's *local* layer spec (pure PyTorch
-modules), which runs on CPU and GPU alike; parameter names therefore follow that spec
-(``linear_qkv``, ``linear_fc1``, ``input_layernorm`` ...), and ``weights.py`` maps them to HF.
+Megatron-Core touches this file only. The policy is built from Megatron's *local* layer spec (pure
+PyTorch modules, the same on CPU and GPU) with two of its modules replaced (``layers.py``): core attention
+on ``scaled_dot_product_attention`` (``attention="sdpa"``, the default: no [s, s] score matrices kept) and
+an RMSNorm that allows sequence parallelism. Parameter names are the local spec's (``linear_qkv``,
+``linear_fc1``, ``input_layernorm`` ...) whatever the options, and ``weights.py`` maps them to HF.
 """
 
 from __future__ import annotations
@@ -24,10 +26,57 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from megatron_tlt.layers import SDPACoreAttention, SequenceParallelRMSNorm
 from megatron_tlt.model_config import PolicyArchitecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTIONS = ("sdpa", "local", "te")
+RECOMPUTES = ("none", "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BuildOptions:
+    """How the policy is built, as opposed to what it is: none of these changes its weights or their names.
+
+    ``tlt plan`` estimates memory from the same options (``plan.PlanOptions``).
+    """
+
+    attention: str = "sdpa"
+    """sdpa: ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels; activations linear in the
+    sequence); local: Megatron's ``DotProductAttention`` (keeps the [s, s] softmax and probabilities);
+    te: Transformer Engine's fused attention (GPU with TE only)."""
+    recompute: str = "none"
+    """Activation recompute: none; selective (the core attention, Megatron's ``recompute_modules=[core_attn]``;
+    only worth it with ``attention=local``); full (each layer keeps its input only and is recomputed)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (TP > 1): norms and residuals hold s / TP tokens per rank."""
+
+    def __post_init__(self):
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got '{self.attention}'")
+        if self.recompute not in RECOMPUTES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTES)}, got '{self.recompute}'")
+
+
+def te_attention_unavailable_reason() -> str | None:
+    """Why Transformer Engine's attention cannot be used here (None when it can)."""
+    if not torch.cuda.is_available():
+        return "Transformer Engine attention needs a CUDA GPU"
+    try:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention  # noqa: F401
+    except ImportError as err:
+        return f"Transformer Engine does not import ({err}); use model.attention=sdpa"
+    return None
+
+
+def _recompute_settings(recompute: str) -> dict[str, Any]:
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if recompute == "full":  # every layer its own recompute unit: it keeps only its input
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return {}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,7 +157,8 @@ def broadcast_from_last_stage(tensor: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------- model
 
 
-def transformer_config(arch: PolicyArchitecture, *, dtype: str = "float32", **overrides: Any) -> TransformerConfig:
+def transformer_config(arch: PolicyArchitecture, *, dtype: str = "float32", options: BuildOptions = BuildOptions(),
+                       **overrides: Any) -> TransformerConfig:
     """Megatron's TransformerConfig for a Llama/Qwen2 decoder at the current parallel layout."""
     params_dtype = DTYPES[dtype]
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -144,6 +194,8 @@ def transformer_config(arch: PolicyArchitecture, *, dtype: str = "float32", **ov
         gradient_accumulation_fusion=False,
         # Weights are loaded from checkpoints; CPU init keeps TP=1 and TP=2 bit-identical anyway.
         use_cpu_initialization=not on_gpu,
+        sequence_parallel=options.sequence_parallel and tp > 1,
+        **_recompute_settings(options.recompute),
         **overrides,
     )
 
@@ -166,18 +218,37 @@ def _apply_llama3_rope_scaling(model: GPTModel, arch: PolicyArchitecture) -> Non
     rope.forward.cache_clear()  # forward is lru_cached on sequence length
 
 
+def _block_spec(config: TransformerConfig, options: BuildOptions) -> TransformerBlockSubmodules:
+    """This stage's layers: Megatron's local layer spec with our core attention and norms (``layers.py``)."""
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.input_layernorm = SequenceParallelRMSNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if options.attention == "sdpa":
+        layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    elif options.attention == "te":
+        reason = te_attention_unavailable_reason()
+        if reason:
+            raise ValueError(reason)
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        layer.submodules.self_attention.submodules.core_attention = TEDotProductAttention
+    # The final norm is given too: Megatron's default for it is TE's norm where TE is installed.
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelRMSNorm)
+
+
 def build_gpt_model(arch: PolicyArchitecture, *, dtype: str = "float32", padded_vocab_size: int,
-                    per_token_loss: bool = False) -> GPTModel:
-    """This rank's stage of the policy as a Megatron GPTModel (local layer spec).
+                    per_token_loss: bool = False, options: BuildOptions = BuildOptions()) -> GPTModel:
+    """This rank's stage of the policy as a Megatron GPTModel (``_block_spec``, built as ``options`` say).
 
     ``per_token_loss`` switches on Megatron's ``calculate_per_token_loss``: loss functions return a
     (sum, count) pair and gradients are divided by the count summed over the whole global batch.
     """
-    config = transformer_config(arch, dtype=dtype, calculate_per_token_loss=per_token_loss)
+    config = transformer_config(arch, dtype=dtype, options=options, calculate_per_token_loss=per_token_loss)
     stage = stage_info()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=_block_spec(config, options),
         vocab_size=padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=stage.is_first_stage,
@@ -200,16 +271,20 @@ def unwrap(model: torch.nn.Module) -> GPTModel:
     return model
 
 
-def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True) -> DistributedDataParallel:
+def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True,
+             distributed_optimizer: bool = False) -> DistributedDataParallel:
     """Megatron DDP around the model, wired into the config the schedules read.
 
     The schedules call ``finalize_model_grads_func`` after the last backward (data-parallel grad
     all-reduce, and the tied-embedding grad all-reduce between first and last pipeline stage) and
     ``no_sync_func`` to skip the reduction while accumulating over micro-batches; Megatron-LM's
-    training loop sets both, so we must too.
+    training loop sets both, so we must too. With ``distributed_optimizer`` the gradients are
+    reduce-scattered over DP (each rank keeps the slice its optimizer shard updates) and ``build_optimizer``
+    must be called with it too.
     """
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False, use_distributed_optimizer=False
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     model.config.finalize_model_grads_func = finalize_model_grads
@@ -219,6 +294,8 @@ def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True) -> Distribute
 
 def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: float = 0.0,
                     clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999, min_lr: float = 0.0):
+    """Megatron's Adam; distributed (fp32 master weights and moments sharded over DP, ZeRO-1) when the
+    DDP wrapper was built for it (``wrap_ddp(distributed_optimizer=True)``)."""
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -230,7 +307,7 @@ def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: 
         params_dtype=model.config.params_dtype,
         bf16=model.config.bf16,
         fp16=model.config.fp16,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=model.ddp_config.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, [model])
     model.config.grad_scale_func = optimizer.scale_loss  # fp16 loss scaling; identity otherwise
