@@ -17,6 +17,7 @@ from typing import TypeVar
 import torch
 
 from megatron_tlt import mcore
+from megatron_tlt.device import module_device, to_device
 
 T = TypeVar("T")
 
@@ -67,10 +68,12 @@ def lm_train_step(model: torch.nn.Module, optimizer, microbatches: list[LMMicroB
                   vocab_size: int) -> float | None:
     """One optimizer step over ``microbatches`` (gradient accumulation across them).
 
-    Collective over all ranks. Micro-batches may differ in length when PP = 1. Returns the mean
-    micro-batch loss on the last pipeline stage (None elsewhere).
+    Collective over all ranks. Micro-batches may differ in length when PP = 1, and sit on any device
+    (they move to the model's). Returns the mean micro-batch loss on the last pipeline stage (None elsewhere).
     """
     check_microbatch_shapes([tuple(mb.tokens_bs.shape) for mb in microbatches])
+    device = module_device(model)
+    microbatches = [to_device(mb, device) for mb in microbatches]
     model.train()
     model.zero_grad_buffer()
     optimizer.zero_grad()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tlt import cpu_compat
+from megatron_tlt.device import compute_device
 
 
 class LayoutError(ValueError):
@@ -43,9 +44,7 @@ class ParallelLayout:
 
     @property
     def device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return compute_device()
 
     def initialize(self) -> "ParallelLayout":
         """Join (or create) the default process group and build Megatron's groups."""

@@ -37,7 +37,7 @@ def _parity_on_rank(ckpt_dir: str, hf_dir: str, tp: int, pp: int, input_ids_bs: 
         logits = policy.forward_logits(model, input_ids_bs, meta.arch.vocab_size)
         if logits is None:  # not the last pipeline stage
             return None
-        return (logits - hf_logits(hf_dir, input_ids_bs)).abs().max().item()
+        return (logits.cpu() - hf_logits(hf_dir, input_ids_bs)).abs().max().item()  # transformers runs on the CPU
 
 
 def megatron_vs_hf_max_abs_diff(ckpt_dir: str | Path, hf_dir: str | Path, *, tp: int, pp: int,

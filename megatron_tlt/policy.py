@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_tlt import mcore, weights
+from megatron_tlt.device import module_device, to_device
 from megatron_tlt.hf_io import CheckpointError
 from megatron_tlt.model_config import PolicyArchitecture
 from megatron_tlt.policy_meta import MODEL_SUBDIR, PolicyCheckpointMeta
@@ -81,10 +82,11 @@ def load_policy_checkpoint(ckpt_dir: str | Path, *, dtype: str | None = None,
 def forward_logits(model: torch.nn.Module, input_ids_bs: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
     """Full-vocabulary logits [b, s, vocab] of the policy, through Megatron's pipeline schedule.
 
-    Collective over the model-parallel ranks; returns the logits on the last pipeline stage and
-    None on the others.
+    Collective over the model-parallel ranks; ``input_ids_bs`` may sit on any device (they move to the
+    model's). Returns the logits, on the model's device, on the last pipeline stage and None on the others.
     """
     model.eval()
+    input_ids_bs = to_device(input_ids_bs, module_device(model))
     collected: list[torch.Tensor] = []
 
     def loss_fn(output_bsv: torch.Tensor):
@@ -107,10 +109,12 @@ def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_token
 
     Collective over the model-parallel ranks; every rank returns the same tokens.
     """
-    ids = torch.tensor([prompt_ids])
+    device = module_device(model)  # the broadcast below runs on the model's backend (NCCL on GPU)
+    ids = to_device(torch.tensor([prompt_ids]), device)
     for _ in range(max_new_tokens):
         logits = forward_logits(model, ids, vocab_size)
-        next_token = logits[:, -1].argmax(-1, keepdim=True) if logits is not None else torch.zeros(1, 1, dtype=torch.long)
+        next_token = (logits[:, -1].argmax(-1, keepdim=True) if logits is not None
+                      else torch.zeros(1, 1, dtype=torch.long, device=device))
         mcore.broadcast_from_last_stage(next_token)
         ids = torch.cat([ids, next_token], dim=1)
     return ids[0, len(prompt_ids):].tolist()

@@ -107,6 +107,7 @@ class _Session:
                                   max_feature_rows=self.trainer.settings.buffer_tokens)
         # with PP > 1 the last stage shares the features, so every stage's ranks train the drafter
         sequences, features = features_on_every_stage(self.model, sequences, result)
+        # the counters below stay on the CPU on purpose: reduced over gloo, not NCCL
         counts = torch.tensor([spec.num_drafts, spec.num_accepted_tokens], dtype=torch.float64)
         dist.all_reduce(counts)
         acceptance = 1.0 + counts[1].item() / counts[0].item() if counts[0] > 0 else float("nan")

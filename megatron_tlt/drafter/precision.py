@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megatron_tlt.config import DRAFTER_PRECISIONS
+from megatron_tlt.device import compute_device
 
 _FP8_MIN_CAPABILITY = (8, 9)
 
@@ -51,8 +52,8 @@ def fp8_unavailable_reason() -> str | None:
 def resolve_precision(requested: str) -> DrafterPrecision:
     if requested not in DRAFTER_PRECISIONS:
         raise ValueError(f"drafter.precision must be one of {', '.join(DRAFTER_PRECISIONS)}, got '{requested}'")
-    on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = compute_device()
+    on_gpu = device.type == "cuda"
     if requested == "fp32":
         return DrafterPrecision(device, torch.float32)
     if requested == "bf16":

@@ -17,12 +17,14 @@ from collections.abc import Sequence
 import torch
 
 from megatron_tlt import mcore
+from megatron_tlt.device import module_device, to_device
 
 
 @dataclasses.dataclass
 class LogProbResult:
-    """Outputs of the log-prob pass. Log-probs and features exist on the last pipeline stage only; which
-    sequences have features is known on every stage (it follows from their lengths)."""
+    """Outputs of the log-prob pass. Log-probs and features exist on the last pipeline stage only, on the
+    model's device (the drafter trains there); which sequences have features is known on every stage (it
+    follows from their lengths)."""
 
     token_logprobs: list[torch.Tensor]
     """For sequence i, log p(token t+1 | tokens <= t) for t = 0 .. len-2: shape [len_i - 1]."""
@@ -41,9 +43,11 @@ class LogProbResult:
         return None if self.features is None else list(torch.split(self.features, self.feature_rows))
 
 
-def _pad(sequences: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
+def pad_sequences(sequences: Sequence[Sequence[int]], pad_id: int, *, device: torch.device) -> torch.Tensor:
+    """[b, longest] token ids, right-padded with ``pad_id``: built on the host, moved to ``device`` whole."""
     longest = max(len(s) for s in sequences)
-    return torch.tensor([list(s) + [pad_id] * (longest - len(s)) for s in sequences], dtype=torch.long)
+    tokens_bs = torch.tensor([list(s) + [pad_id] * (longest - len(s)) for s in sequences], dtype=torch.long)
+    return to_device(tokens_bs, device)
 
 
 class _FinalNormCapture:
@@ -69,9 +73,8 @@ class _FinalNormCapture:
 
 def _feature_buffer(model: torch.nn.Module, rows: int) -> torch.Tensor:
     """Uninitialised [rows, hidden] in the policy's dtype and device: what every stage holds the features in."""
-    core = mcore.unwrap(model)
-    return torch.empty(rows, core.config.hidden_size, dtype=core.config.params_dtype,
-                       device=next(core.parameters()).device)
+    config = mcore.unwrap(model).config
+    return torch.empty(rows, config.hidden_size, dtype=config.params_dtype, device=module_device(model))
 
 
 @torch.no_grad()
@@ -86,7 +89,8 @@ def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
     """
     model.eval()
     batches = [sequences[i : i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size)]
-    padded = [_pad(batch, pad_id) for batch in batches]
+    device = module_device(model)
+    padded = [pad_sequences(batch, pad_id, device=device) for batch in batches]
     stage = mcore.stage_info()
     kept: list[int] = []
     if capture_hidden:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_tlt import config as config_mod, mcore
 from megatron_tlt.config import TLTConfig
+from megatron_tlt.device import compute_device, module_device
 from megatron_tlt.drafter import checkpoint_paths as drafter_checkpoint_paths
 from megatron_tlt.drafter import checkpointer as drafter_checkpoints, store as drafter_store
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotTrainer
@@ -171,7 +172,7 @@ class RLTrainer:
             precision=resolve_precision(d.precision)))
         self._load_drafter()
         if d.spot_training:
-            device = torch.cuda.current_device() if torch.cuda.is_available() else None
+            device = compute_device().index  # the CUDA device whose NVML utilisation to read; None on CPU
             self.drafter_checkpointer = drafter_checkpoints.AsyncDrafterCheckpointer(
                 self.run_dir, self.arch, rank=self.rank, world=self.world, keep=self.config.trainer.keep_checkpoints)
             # no training while a checkpoint write still reads the drafter (it is not copied)
@@ -309,16 +310,17 @@ class RLTrainer:
         a, t = self.config.algorithm, self.config.trainer
         settings = LossSettings(clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.loss_aggregation,
                                 kl_coef=a.kl_coef)
+        device = module_device(self.model)  # where the log-prob pass left ``old`` and ``ref``
         sequences = []
         for i, (sample, ids, advantage) in enumerate(zip(samples, token_ids, advantages)):
             if advantage != advantage:  # NaN: its group was filtered out
                 continue
-            length = len(ids)
             # Only the last pipeline stage computes the loss; earlier stages carry placeholders.
+            placeholder = torch.zeros(len(ids) - 1, device=device)
             sequences.append((i, PolicySequence(
                 token_ids=ids, prompt_len=len(sample.prompt_ids),
-                old_logprobs=old[i] if old else torch.zeros(length - 1), advantage=advantage,
-                ref_logprobs=(ref[i] if ref else torch.zeros(length - 1)) if self.reference is not None else None)))
+                old_logprobs=old[i] if old else placeholder, advantage=advantage,
+                ref_logprobs=(ref[i] if ref else placeholder) if self.reference is not None else None)))
         metrics: dict[str, list[float]] = {}
         with timeline.phase("update"):
             for u in range(t.updates_per_step):  # mini-batches interleave short and long sequences
@@ -423,7 +425,7 @@ class RLTrainer:
         if not self.held_out:
             return None
         mine = self.placement.world_share(self.held_out)
-        counts = torch.zeros(3, dtype=torch.float64)
+        counts = torch.zeros(3, dtype=torch.float64)  # on the CPU on purpose: reduced over gloo
         if mine:
             greedy = self.engine.generate([e.prompt_ids for e in mine], self._sampling(n=1, temperature=0.0, seed=None))
             sampled = self.engine.generate(

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tlt import mcore
+from megatron_tlt.device import module_device, to_device
 from megatron_tlt.lm_training import check_microbatch_shapes, length_sorted_chunks
 from megatron_tlt.rl import losses
 
@@ -33,7 +34,8 @@ class PolicySequence:
     """Prompt then response."""
     prompt_len: int
     old_logprobs: torch.Tensor
-    """[len - 1]: log p(token t+1 | <= t) under the rollout policy (from the log-prob pass)."""
+    """[len - 1]: log p(token t+1 | <= t) under the rollout policy (from the log-prob pass). The log-prob
+    rows of one micro-batch share a device: they are padded where they are."""
     advantage: float
     ref_logprobs: torch.Tensor | None = None
     """[len - 1] under the frozen reference policy, when the KL term is on."""
@@ -58,32 +60,39 @@ class LossSettings:
     kl_coef: float
 
 
-def make_microbatch(sequences: Sequence[PolicySequence], pad_id: int, width: int | None = None) -> PolicyMicroBatch:
-    """Pad ``sequences`` to ``width`` tokens (default: the longest). Label position t predicts token
-    t + 1, so it is a response position when t + 1 >= prompt_len."""
+def make_microbatch(sequences: Sequence[PolicySequence], pad_id: int, width: int | None = None, *,
+                    device: torch.device) -> PolicyMicroBatch:
+    """Pad ``sequences`` to ``width`` tokens (default: the longest), on ``device``. Label position t
+    predicts token t + 1, so it is a response position when t + 1 >= prompt_len. Ids and masks are
+    written on the host, log-prob rows padded on their own device; each tensor then moves once."""
     width = width or max(len(s.token_ids) for s in sequences)
     b = len(sequences)
     tokens = torch.full((b, width), pad_id, dtype=torch.long)
     mask = torch.zeros((b, width - 1), dtype=torch.bool)
-    old = torch.zeros((b, width - 1))
-    has_ref = sequences[0].ref_logprobs is not None
-    ref = torch.zeros((b, width - 1)) if has_ref else None
     for row, seq in enumerate(sequences):
         n = len(seq.token_ids)
         tokens[row, :n] = torch.as_tensor(list(seq.token_ids))
         mask[row, seq.prompt_len - 1 : n - 1] = True
-        old[row, : n - 1] = seq.old_logprobs
-        if has_ref:
-            ref[row, : n - 1] = seq.ref_logprobs
-    advantages = torch.tensor([s.advantage for s in sequences], dtype=torch.float32)
-    return PolicyMicroBatch(tokens_bs=tokens, response_mask_bl=mask, old_logprobs_bl=old, ref_logprobs_bl=ref,
-                            advantages_b=advantages)
+    has_ref = sequences[0].ref_logprobs is not None
+    batch = PolicyMicroBatch(
+        tokens_bs=tokens, response_mask_bl=mask,
+        old_logprobs_bl=_pad_rows([s.old_logprobs for s in sequences], width - 1),
+        ref_logprobs_bl=_pad_rows([s.ref_logprobs for s in sequences], width - 1) if has_ref else None,
+        advantages_b=torch.tensor([s.advantage for s in sequences], dtype=torch.float32))
+    return to_device(batch, device)
+
+
+def _pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """[len(rows), width] float32, zero-padded on the right, on the rows' device (one copy per row there,
+    not a host round trip for rows the log-prob pass left on the GPU)."""
+    padded = torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True).float()
+    return torch.nn.functional.pad(padded, (0, width - padded.shape[1]))
 
 
 def make_microbatches(sequences: Sequence[PolicySequence], micro_batch_size: int, pad_id: int, *,
-                      same_width: bool) -> list[PolicyMicroBatch]:
-    """Length-sorted micro-batches (little padding); ``same_width`` pads all to one length (PP > 1)."""
-    return [make_microbatch(chunk, pad_id, width) for chunk, width in
+                      same_width: bool, device: torch.device) -> list[PolicyMicroBatch]:
+    """Length-sorted micro-batches (little padding) on ``device``; ``same_width`` pads all to one length (PP > 1)."""
+    return [make_microbatch(chunk, pad_id, width, device=device) for chunk, width in
             length_sorted_chunks(sequences, lambda s: len(s.token_ids), micro_batch_size, same_width=same_width)]
 
 
@@ -116,7 +125,7 @@ def _reduce_report(reports: list[dict[str, torch.Tensor]], names: tuple[str, ...
     """
     stage = mcore.stage_info()
     contributes = stage.is_last_stage and stage.tp_rank == 0
-    sums = torch.zeros(len(names), dtype=torch.float64)
+    sums = torch.zeros(len(names), dtype=torch.float64)  # on the CPU on purpose: reduced over gloo, not NCCL
     if contributes:
         for report in reports:
             for i, name in enumerate(names):
@@ -137,17 +146,18 @@ def policy_update_step(model: torch.nn.Module, optimizer, sequences: Sequence[Po
     """
     has_ref = settings.kl_coef != 0.0
     local_tokens = sum(len(s.token_ids) - s.prompt_len for s in sequences)
-    total_tokens = torch.tensor([local_tokens], dtype=torch.float64)
+    total_tokens = torch.tensor([local_tokens], dtype=torch.float64)  # on the CPU on purpose: reduced over gloo
     dist.all_reduce(total_tokens)
     if total_tokens.item() == 0:  # nothing to learn from anywhere: an Adam step on zero grads would still move
         return {"num_tokens": 0.0, "skipped": 1.0}
     same_width = mcore.stage_info().pp_size > 1
+    device = module_device(model)
     if sequences:
-        microbatches = make_microbatches(sequences, micro_batch_size, pad_id, same_width=same_width)
+        microbatches = make_microbatches(sequences, micro_batch_size, pad_id, same_width=same_width, device=device)
     else:  # a placeholder row: zero valid tokens, so it adds nothing to the sums
         placeholder = PolicySequence(token_ids=[pad_id, pad_id], prompt_len=2, old_logprobs=torch.zeros(1), advantage=0.0,
                                      ref_logprobs=torch.zeros(1) if has_ref else None)
-        microbatches = [make_microbatch([placeholder], pad_id)]
+        microbatches = [make_microbatch([placeholder], pad_id, device=device)]
     check_microbatch_shapes([tuple(mb.tokens_bs.shape) for mb in microbatches])
     model.train()
     model.zero_grad_buffer()

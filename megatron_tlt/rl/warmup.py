@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_tlt import mcore
+from megatron_tlt.device import module_device, to_device
 from megatron_tlt.lm_training import LMMicroBatch, length_sorted_chunks, lm_train_step
 
 logger = logging.getLogger(__name__)
@@ -32,9 +33,10 @@ class WarmupSchedule:
 
 
 def length_sorted_microbatches(sequences: Sequence[tuple[list[int], int]], micro_batch_size: int, pad_id: int,
-                               *, same_length: bool) -> list[LMMicroBatch]:
-    """Micro-batches of (ids, prompt length) pairs, sorted by length so padding stays small; the loss
-    mask covers the tokens after the prompt. ``same_length`` pads all to one length (PP > 1)."""
+                               *, same_length: bool, device: torch.device) -> list[LMMicroBatch]:
+    """Micro-batches of (ids, prompt length) pairs on ``device``, sorted by length so padding stays small;
+    the loss mask covers the tokens after the prompt. ``same_length`` pads all to one length (PP > 1).
+    Rows are written on the host; each finished tensor moves once."""
     batches = []
     for chunk, width in length_sorted_chunks(sequences, lambda pair: len(pair[0]), micro_batch_size,
                                              same_width=same_length):
@@ -43,7 +45,7 @@ def length_sorted_microbatches(sequences: Sequence[tuple[list[int], int]], micro
         for row, (ids, prompt_len) in enumerate(chunk):
             tokens[row, : len(ids)] = torch.tensor(ids)
             mask[row, prompt_len : len(ids)] = 1
-        batches.append(LMMicroBatch(tokens_bs=tokens, loss_mask_bs=mask))
+        batches.append(to_device(LMMicroBatch(tokens_bs=tokens, loss_mask_bs=mask), device))
     return batches
 
 
@@ -60,12 +62,14 @@ def run_warmup(model: torch.nn.Module, optimizer, corpus: Sequence[tuple[list[in
     rng = random.Random(schedule.seed)
     per_rank = schedule.sequences_per_step // dp_size
     same_length = mcore.stage_info().pp_size > 1
+    device = module_device(model)
     losses = []
     started = time.perf_counter()
     for step in range(schedule.steps):
         batch = rng.sample(range(len(corpus)), schedule.sequences_per_step)
         mine = [corpus[i] for i in batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]]
-        microbatches = length_sorted_microbatches(mine, schedule.micro_batch_size, pad_id, same_length=same_length)
+        microbatches = length_sorted_microbatches(mine, schedule.micro_batch_size, pad_id, same_length=same_length,
+                                                  device=device)
         loss = lm_train_step(model, optimizer, microbatches, vocab_size=vocab_size)
         scheduler.step(1)
         if loss is not None:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tlt import mcore, weights
+from megatron_tlt.device import module_device
 from megatron_tlt.model_config import PolicyArchitecture
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
@@ -103,7 +104,7 @@ def _iter_buckets(model: torch.nn.Module, arch: PolicyArchitecture, padded_vocab
     layers_per_stage = arch.num_layers // stage.pp_size
     local_state = mcore.unwrap(model).state_dict()
     dtype = mcore.unwrap(model).config.params_dtype
-    device = next(mcore.unwrap(model).parameters()).device
+    device = module_device(model)
     for bucket in buckets:
         fulls = None
         if stage.pp_rank == bucket.stage:
