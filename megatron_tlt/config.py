@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ class ParallelConfig:
     """Megatron pipeline parallelism (must divide the layers)."""
     data_parallel_size: int = 2
     """Replicas of the policy; each has its own rollout engine and prompt shard."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs tensor_parallel_size > 1): norms, residuals and dropout hold
+    s / TP tokens per rank, dividing most activation memory by TP."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -50,6 +54,9 @@ class ModelConfig:
     """HF model directory (config.json, safetensors, tokenizer); None builds the tiny default."""
     dtype: str = "float32"
     """Policy parameter dtype: float32, bfloat16 or float16."""
+    attention: str = "sdpa"
+    """Core attention: sdpa (torch's scaled_dot_product_attention: flash / memory-efficient kernels, no
+    [s, s] scores kept), local (Megatron's DotProductAttention, keeps them), te (Transformer Engine's, GPU)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -135,6 +142,9 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
+    distributed: bool = False
+    """Megatron's distributed optimizer: fp32 master weights and Adam moments sharded over data-parallel
+    ranks (ZeRO-1); checkpoints then hold one optimizer file per DP rank, so resume keeps the DP size."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -201,6 +211,9 @@ class TrainerConfig:
     """Prompts per step over all data-parallel ranks."""
     micro_batch_size: int = 4
     """Sequences per Megatron micro-batch in the log-prob and update passes."""
+    recompute: str = "none"
+    """Activation recompute in the update: none, selective (core attention; pays with model.attention=local
+    only) or full (every layer keeps only its input and runs its forward again in the backward)."""
     updates_per_step: int = 1
     """Optimizer steps per rollout: the rollout is split into this many mini-batches (PPO-style)."""
     seed: int = 1234
@@ -362,6 +375,32 @@ def validate(config: TLTConfig) -> None:
                           f"{o.lr_warmup_steps}, {o.min_lr}, {o.lr}")
     if config.model.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got '{config.model.dtype}'")
+    _validate_build_options(config)
+
+
+def _validate_build_options(config: TLTConfig) -> None:
+    """How the policy is built (``build_options``): the choices, and what each needs."""
+    from megatron_tlt.build_options import ATTENTIONS, RECOMPUTES
+
+    if config.model.attention not in ATTENTIONS:
+        raise ConfigError(f"model.attention must be one of {', '.join(ATTENTIONS)}, got '{config.model.attention}'")
+    if config.trainer.recompute not in RECOMPUTES:
+        raise ConfigError(f"trainer.recompute must be one of {', '.join(RECOMPUTES)}, got '{config.trainer.recompute}'")
+    if config.parallel.sequence_parallel and config.parallel.tensor_parallel_size < 2:
+        raise ConfigError("parallel.sequence_parallel needs parallel.tensor_parallel_size > 1 (it splits the "
+                          "sequence over the tensor-parallel ranks)")
+    if config.model.attention == "te" and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("model.attention=te needs Transformer Engine, which is not installed here "
+                          "(launch/install_gpu.sh installs it where it builds); use model.attention=sdpa")
+
+
+def build_options(config: TLTConfig):
+    """The policy's ``BuildOptions`` from ``model.attention``, ``trainer.recompute`` and
+    ``parallel.sequence_parallel``: what ``tlt train`` builds and ``tlt plan`` estimates."""
+    from megatron_tlt.build_options import BuildOptions
+
+    return BuildOptions(attention=config.model.attention, recompute=config.trainer.recompute,
+                        sequence_parallel=config.parallel.sequence_parallel)
 
 
 def bandit_settings(config: TLTConfig):

@@ -23,43 +23,17 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from megatron_tlt.build_options import BuildOptions
 from megatron_tlt.layers import SDPACoreAttention, SequenceParallelRMSNorm
 from megatron_tlt.model_config import PolicyArchitecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTIONS = ("sdpa", "local", "te")
-RECOMPUTES = ("none", "selective", "full")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BuildOptions:
-    """How the policy is built, as opposed to what it is: none of these changes its weights or their names.
-
-    ``tlt plan`` estimates memory from the same options (``plan.PlanOptions``).
-    """
-
-    attention: str = "sdpa"
-    """sdpa: ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels; activations linear in the
-    sequence); local: Megatron's ``DotProductAttention`` (keeps the [s, s] softmax and probabilities);
-    te: Transformer Engine's fused attention (GPU with TE only)."""
-    recompute: str = "none"
-    """Activation recompute: none; selective (the core attention, Megatron's ``recompute_modules=[core_attn]``;
-    only worth it with ``attention=local``); full (each layer keeps its input only and is recomputed)."""
-    sequence_parallel: bool = False
-    """Megatron's sequence parallelism (TP > 1): norms and residuals hold s / TP tokens per rank."""
-
-    def __post_init__(self):
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got '{self.attention}'")
-        if self.recompute not in RECOMPUTES:
-            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTES)}, got '{self.recompute}'")
-
-
 def te_attention_unavailable_reason() -> str | None:
     """Why Transformer Engine's attention cannot be used here (None when it can)."""
     if not torch.cuda.is_available():
@@ -312,6 +286,48 @@ def build_optimizer(model: DistributedDataParallel, *, lr: float, weight_decay: 
     optimizer = get_megatron_optimizer(config, [model])
     model.config.grad_scale_func = optimizer.scale_loss  # fp16 loss scaling; identity otherwise
     return optimizer
+
+
+def _optimizers(optimizer) -> list:
+    """The optimizers inside Megatron's ChainedOptimizer (one per parameter dtype group), or the one given."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def is_distributed_optimizer(optimizer) -> bool:
+    return any(isinstance(o, DistributedOptimizer) for o in _optimizers(optimizer))
+
+
+def _owned_parameters(optimizer: DistributedOptimizer) -> list[torch.nn.Parameter]:
+    """The parameters whose (slice of) master weights and moments this DP rank owns, in buffer order."""
+    return [param for gbuf_range_maps in optimizer.gbuf_ranges for by_dtype in gbuf_range_maps.values()
+            for bucket in by_dtype for param in bucket["param_map"]]
+
+
+def optimizer_state(optimizer) -> dict:
+    """This rank's Adam state, to ``torch.save``. The distributed optimizer keeps its parameter state (fp32
+    master weights, moments) apart from ``state_dict()``: each DP rank saves the slices it owns.
+
+    Megatron 0.16's own ``get/load_parameter_state_dp_reshardable`` do not round-trip (the loader reads a
+    'padding' key the getter never writes), so the per-parameter getter and setter they use are called here.
+    """
+    state = {"state_dict": optimizer.state_dict()}
+    if is_distributed_optimizer(optimizer):
+        state["parameter_state"] = [[inner._get_main_param_and_optimizer_states(p) for p in _owned_parameters(inner)]
+                                    for inner in _optimizers(optimizer)]
+    return state
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """Restore what ``optimizer_state`` saved, into an optimizer built the same way at the same layout."""
+    optimizer.load_state_dict(state["state_dict"])
+    for inner, saved in zip(_optimizers(optimizer), state.get("parameter_state", [])):
+        owned = _owned_parameters(inner)
+        if len(owned) != len(saved):
+            raise ValueError(f"optimizer state holds {len(saved)} parameter shards, this rank owns {len(owned)}: "
+                             "saved at another data-parallel size or model")
+        with torch.no_grad():  # fp32 master weights are views of the model's own parameters
+            for param, tensors in zip(owned, saved):
+                inner._set_main_param_and_optimizer_states(param, tensors)
 
 
 def build_lr_scheduler(optimizer, *, lr: float, warmup_steps: int, total_steps: int, min_lr: float = 0.0,

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_tlt import mcore, weights
+from megatron_tlt.build_options import BuildOptions
 from megatron_tlt.device import module_device, to_device
 from megatron_tlt.hf_io import CheckpointError
 from megatron_tlt.model_config import PolicyArchitecture
@@ -48,10 +49,10 @@ def load_hf_weights(model: torch.nn.Module, arch: PolicyArchitecture, get_hf: we
         target.copy_(shard)
 
 
-def build_policy(arch: PolicyArchitecture, *, dtype: str, padded_vocab_size: int,
-                 per_token_loss: bool = False) -> torch.nn.Module:
+def build_policy(arch: PolicyArchitecture, *, dtype: str, padded_vocab_size: int, per_token_loss: bool = False,
+                 options: BuildOptions = BuildOptions()) -> torch.nn.Module:
     return mcore.build_gpt_model(arch, dtype=dtype, padded_vocab_size=padded_vocab_size,
-                                 per_token_loss=per_token_loss)
+                                 per_token_loss=per_token_loss, options=options)
 
 
 def save_policy_checkpoint(model: torch.nn.Module, ckpt_dir: Path, meta: PolicyCheckpointMeta) -> None:
@@ -61,8 +62,8 @@ def save_policy_checkpoint(model: torch.nn.Module, ckpt_dir: Path, meta: PolicyC
         meta.write(ckpt_dir)
 
 
-def load_policy_checkpoint(ckpt_dir: str | Path, *, dtype: str | None = None,
-                           per_token_loss: bool = False) -> tuple[torch.nn.Module, PolicyCheckpointMeta]:
+def load_policy_checkpoint(ckpt_dir: str | Path, *, dtype: str | None = None, per_token_loss: bool = False,
+                           options: BuildOptions = BuildOptions()) -> tuple[torch.nn.Module, PolicyCheckpointMeta]:
     """Build this rank's policy stage at the current layout and fill it from ``ckpt_dir``."""
     meta = PolicyCheckpointMeta.read(ckpt_dir)
     arch = meta.arch
@@ -73,7 +74,7 @@ def load_policy_checkpoint(ckpt_dir: str | Path, *, dtype: str | None = None,
             f"{ckpt_dir}: padded vocabulary {meta.padded_vocab_size} is not divisible by tensor parallel size {stage.tp_size}"
         )
     model = build_policy(arch, dtype=dtype or meta.dtype, padded_vocab_size=meta.padded_vocab_size,
-                         per_token_loss=per_token_loss)
+                         per_token_loss=per_token_loss, options=options)
     mcore.load_distributed(model, Path(ckpt_dir) / MODEL_SUBDIR)
     return model, meta
 

@@ -70,27 +70,40 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, meta: policy.
     return final
 
 
-def _optimizer_file(directory: Path) -> Path:
-    # The layout is in the name: a shard's Adam state only fits the same TP x PP split.
+def _optimizer_file(directory: Path, *, sharded_over_dp: bool = False) -> Path:
+    # The layout is in the name: a shard's Adam state only fits the same TP x PP split (and, for the
+    # distributed optimizer, whose state is split over DP too, the same DP size).
     stage = mcore.stage_info()
-    return directory / OPTIMIZER_SUBDIR / f"tp{stage.tp_rank}of{stage.tp_size}_pp{stage.pp_rank}of{stage.pp_size}.pt"
+    name = f"tp{stage.tp_rank}of{stage.tp_size}_pp{stage.pp_rank}of{stage.pp_size}"
+    if sharded_over_dp:
+        name += f"_dp{mcore.data_parallel_rank()}of{mcore.data_parallel_size()}"
+    return directory / OPTIMIZER_SUBDIR / f"{name}.pt"
 
 
 def save_optimizer_state(directory: Path, optimizer, dp_rank: int) -> None:
-    """This model-parallel shard's Adam state under ``directory/optimizer/`` (DP replicas hold the same)."""
-    if dp_rank == 0:
-        path = _optimizer_file(directory)
+    """This rank's Adam state under ``directory/optimizer/``: one file per model-parallel shard, written by DP
+    rank 0 (the replicas hold the same), or one per rank with the distributed optimizer."""
+    sharded = mcore.is_distributed_optimizer(optimizer)
+    if dp_rank == 0 or sharded:
+        path = _optimizer_file(directory, sharded_over_dp=sharded)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(optimizer.state_dict(), path)
+        torch.save(mcore.optimizer_state(optimizer), path)
 
 
-def has_optimizer_state(directory: Path) -> bool:
-    """Whether ``directory`` holds Adam state for this rank's shard at the current layout."""
-    return _optimizer_file(directory).is_file()
+def has_optimizer_state(directory: Path, optimizer=None) -> bool:
+    """Whether ``directory`` holds Adam state for this rank's shard at the current layout (and, given the
+    optimizer, in its form: sharded over DP or not)."""
+    sharded = optimizer is not None and mcore.is_distributed_optimizer(optimizer)
+    return _optimizer_file(directory, sharded_over_dp=sharded).is_file()
 
 
 def load_optimizer_state(directory: Path, optimizer) -> None:
-    optimizer.load_state_dict(torch.load(_optimizer_file(directory), weights_only=False))
+    path = _optimizer_file(directory, sharded_over_dp=mcore.is_distributed_optimizer(optimizer))
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no optimizer state for this rank at this layout ({path.name}); a "
+                              "distributed optimizer resumes at the same data-parallel size, and one saved without "
+                              "optimizer.distributed cannot resume with it (nor the reverse)")
+    mcore.load_optimizer_state(optimizer, torch.load(path, weights_only=False))
 
 
 def load_checkpoint_state(ckpt: Path, *, optimizer) -> dict:

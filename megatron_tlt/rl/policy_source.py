@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_tlt import mcore, policy, policy_meta
-from megatron_tlt.config import TLTConfig
+from megatron_tlt.build_options import BuildOptions
+from megatron_tlt.config import TLTConfig, build_options
 from megatron_tlt.hf_io import HFCheckpointReader
 from megatron_tlt.model_config import PolicyArchitecture
 from megatron_tlt.rl import checkpoint, tiny_default
@@ -40,7 +41,8 @@ def warmed_up_dir(config: TLTConfig, tokenizer: Tokenizer) -> Path:
     """The cache entry of the warmed-up tiny policy for this config (it may not exist yet)."""
     warmup = {k: v for k, v in dataclasses.asdict(config.warmup).items() if k not in ("cache_dir", "continue_optimizer")}
     key = tiny_default.cache_key(kind="warmup", policy=tiny_default.TINY_POLICY_CONFIG, vocab=tokenizer.vocab_size,
-                                 warmup=warmup, seed=config.trainer.seed, dtype=config.model.dtype)
+                                 warmup=warmup, seed=config.trainer.seed, dtype=config.model.dtype,
+                                 attention=config.model.attention)
     return tiny_default.cache_root(config.warmup.cache_dir) / f"policy-{key}"
 
 
@@ -48,7 +50,7 @@ def _warm_up_tiny_policy(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyAr
                          show_progress: bool) -> None:
     """Build the tiny policy from Megatron's initialisation, warm it up and publish it at ``final``."""
     model = policy.build_policy(arch, dtype=config.model.dtype, padded_vocab_size=arch.padded_vocab_size(
-        mcore.stage_info().tp_size), per_token_loss=True)
+        mcore.stage_info().tp_size), per_token_loss=True, options=build_options(config))
     ddp = mcore.wrap_ddp(model)
     optimizer = mcore.build_optimizer(ddp, lr=config.warmup.lr, weight_decay=0.0, clip_grad=1.0)
     schedule = WarmupSchedule(steps=config.warmup.steps, sequences_per_step=config.warmup.sequences_per_step,
@@ -101,9 +103,10 @@ def initial_policy_dir(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyArch
     return final
 
 
-def load_hf_policy(hf_dir: str, arch: PolicyArchitecture, dtype: str) -> torch.nn.Module:
+def load_hf_policy(hf_dir: str, arch: PolicyArchitecture, dtype: str,
+                   options: BuildOptions = BuildOptions()) -> torch.nn.Module:
     padded = arch.padded_vocab_size(mcore.stage_info().tp_size)
-    model = policy.build_policy(arch, dtype=dtype, padded_vocab_size=padded, per_token_loss=True)
+    model = policy.build_policy(arch, dtype=dtype, padded_vocab_size=padded, per_token_loss=True, options=options)
     reader = HFCheckpointReader(hf_dir)
     policy.load_hf_weights(model, arch, lambda n: reader.get(n).to(model.config.params_dtype), padded)
     return model
@@ -112,6 +115,7 @@ def load_hf_policy(hf_dir: str, arch: PolicyArchitecture, dtype: str) -> torch.n
 def load_policy(config: TLTConfig, arch: PolicyArchitecture, source: Path | None) -> torch.nn.Module:
     """The policy from a policy checkpoint directory, or from ``model.hf_dir`` when ``source`` is None."""
     if source is None:
-        return load_hf_policy(config.model.hf_dir, arch, config.model.dtype)
-    model, _ = policy.load_policy_checkpoint(source, dtype=config.model.dtype, per_token_loss=True)
+        return load_hf_policy(config.model.hf_dir, arch, config.model.dtype, build_options(config))
+    model, _ = policy.load_policy_checkpoint(source, dtype=config.model.dtype, per_token_loss=True,
+                                             options=build_options(config))
     return model

@@ -104,7 +104,8 @@ class RLTrainer:
         if resume and ckpt is None:
             raise checkpoint.CheckpointError(f"{run_dir}: no complete checkpoint to resume from")
         source = ckpt / checkpoint_paths.POLICY_SUBDIR if ckpt else self.initial_source
-        self.model = mcore.wrap_ddp(policy_source.load_policy(config, self.arch, source))
+        self.model = mcore.wrap_ddp(policy_source.load_policy(config, self.arch, source),
+                                    distributed_optimizer=config.optimizer.distributed)
         # The checkpoint's vocabulary padding, which a policy saved at another TP keeps (e.g. 512 rows
         # from TP=2 loaded at TP=1, where this layout alone would pad to 384): the sync's shapes follow it.
         self.padded_vocab = mcore.unwrap(self.model).vocab_size
@@ -208,6 +209,10 @@ class RLTrainer:
         The warm-up's second moments make RL's steps proportional to the gradient instead.
         """
         source = self.initial_source
+        if self.config.optimizer.distributed:  # the warm-up's Adam is not sharded; RL's is
+            if self.is_reporter and source is not None:
+                logger.info("optimizer.distributed: RL starts with a fresh Adam (the warm-up's is not sharded)")
+            return
         if source is None or not checkpoint.has_optimizer_state(source):
             if self.is_reporter and source is not None:
                 logger.info("%s holds no optimizer state for this layout: RL starts with a fresh Adam", source)
@@ -358,8 +363,11 @@ class RLTrainer:
         own, samples = self._score_and_share(mine, result, timeline)
         advantages, dropped_groups = self._advantages(samples)
         sequences = [list(s.prompt_ids) + s.response_ids for s in samples]
+        # Colocated: the engine's KV cache and weights leave the GPU while Megatron trains, as tlt plan counts it.
+        self.engine.release_memory()
         old, ref = self._logprob_pass(sequences, timeline)
         update_metrics = self._update(samples, sequences, advantages, old, ref, timeline)
+        self.engine.resume_memory()
         sync_gb_s = self._sync(timeline)
         per_rank = {
             "timeline": timeline,
