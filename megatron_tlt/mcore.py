@@ -312,8 +312,11 @@ def optimizer_state(optimizer) -> dict:
     """
     state = {"state_dict": optimizer.state_dict()}
     if is_distributed_optimizer(optimizer):
-        state["parameter_state"] = [[inner._get_main_param_and_optimizer_states(p) for p in _owned_parameters(inner)]
-                                    for inner in _optimizers(optimizer)]
+        # Copies of the owned slices: fp32 master weights are views into the whole parameter buffer, which
+        # torch.save would otherwise write out entire on every rank.
+        state["parameter_state"] = [[{k: v.detach().clone() if torch.is_tensor(v) else v
+                                      for k, v in inner._get_main_param_and_optimizer_states(p).items()}
+                                     for p in _owned_parameters(inner)] for inner in _optimizers(optimizer)]
     return state
 
 
@@ -328,6 +331,11 @@ def load_optimizer_state(optimizer, state: dict) -> None:
         with torch.no_grad():  # fp32 master weights are views of the model's own parameters
             for param, tensors in zip(owned, saved):
                 inner._set_main_param_and_optimizer_states(param, tensors)
+        # Megatron's load_state_dict gives every parameter the same 'step' tensor, which torch's Adam then
+        # advances once per parameter per step (bias correction drifts): each gets its own.
+        for param_state in inner.optimizer.state.values():
+            if torch.is_tensor(param_state.get("step")):
+                param_state["step"] = param_state["step"].clone()
 
 
 def build_lr_scheduler(optimizer, *, lr: float, warmup_steps: int, total_steps: int, min_lr: float = 0.0,
@@ -391,6 +399,21 @@ def vocab_parallel_cross_entropy(logits_bsv: torch.Tensor, labels_bs: torch.Tens
         logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
     return tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
                                                         labels_bs.transpose(0, 1).contiguous()).transpose(0, 1)
+
+
+def sequence_multiple(model: torch.nn.Module) -> int:
+    """What the model input's sequence length must be a multiple of: the TP size with sequence parallelism
+    (Megatron scatters the embedded sequence over the TP ranks), else 1. Batch builders pad to it."""
+    config = unwrap(model).config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def full_sequence(hidden_sbh: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """The whole [s, b, h] sequence of an activation inside the decoder: with sequence parallelism each TP
+    rank holds only its [s / TP, b, h] slice, so they are gathered (collective over the TP group)."""
+    if not unwrap(model).config.sequence_parallel:
+        return hidden_sbh
+    return tensor_parallel.gather_from_sequence_parallel_region(hidden_sbh, tensor_parallel_output_grad=False)
 
 
 # ----------------------------------------------------------------------------- checkpoints
