@@ -47,6 +47,10 @@ def test_bad_names_and_malformed_overrides_are_refused():
     ("optimizer.lr_decay_style=exp", "lr_decay_style must be constant, linear or cosine"),
     ("optimizer.min_lr=1", "0 <= min_lr <= lr"),
     ("warmup.other_answer_format_share=1.5", "other_answer_format_share must be in"),
+    ("model.attention=flash", "model.attention must be one of sdpa, local, te"),
+    ("trainer.recompute=partial", "trainer.recompute must be one of none, selective, full"),
+    ("parallel.sequence_parallel=true", "sequence_parallel needs parallel.tensor_parallel_size > 1"),
+    ("model.attention=te", "needs Transformer Engine, which is not installed here"),
 ])
 def test_inconsistent_values_are_refused_at_load(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -84,3 +88,15 @@ def test_bandit_settings_default_to_every_depth_up_to_the_engines():
     assert settings.depths == (0, 1, 2, 3) and settings.bucket_bounds == (1, 2, 5, 21, 32)
     assert settings.max_speculative_batch is None
     assert bandit_settings(load_config(None, [])) is None
+
+
+def test_the_build_keys_become_the_policy_build_options():
+    from megatron_tlt.build_options import BuildOptions
+    from megatron_tlt.config import build_options
+
+    assert build_options(load_config(None)) == BuildOptions(attention="sdpa", recompute="none", sequence_parallel=False)
+    config = load_config(None, ["model.attention=local", "trainer.recompute=selective",
+                                "parallel.tensor_parallel_size=2", "parallel.data_parallel_size=1",
+                                "parallel.sequence_parallel=true", "optimizer.distributed=true"])
+    assert build_options(config) == BuildOptions(attention="local", recompute="selective", sequence_parallel=True)
+    assert config.optimizer.distributed
