@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from megatron_tlt.rl.timeline import IDLE, TRAINING, RankTimeline
@@ -53,6 +54,18 @@ class SpotReport:
     failed: bool = False
 
 
+def _nvml_handle(pynvml, cuda_index: int):
+    """NVML's handle of CUDA device ``cuda_index``, matched by UUID: NVML numbers the node's physical GPUs,
+    CUDA the visible ones (CUDA_VISIBLE_DEVICES, as Slurm sets it, renumbers them)."""
+    uuid = getattr(torch.cuda.get_device_properties(cuda_index), "uuid", None)
+    if uuid is not None:
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        except pynvml.NVMLError:  # not run on a GPU here: fall back to the index, right when nothing is hidden
+            logger.info("NVML does not know GPU-%s; using NVML device %d", uuid, cuda_index)
+    return pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
+
+
 class DeviceIdleProbe:
     """NVML utilisation of this rank's GPU; always 'quiet' where NVML is unavailable (said once)."""
 
@@ -66,7 +79,7 @@ class DeviceIdleProbe:
             import pynvml
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._handle = _nvml_handle(pynvml, device_index)
             self._nvml = pynvml
         except Exception as err:  # no driver, no library, no such device: fall back, once
             logger.info("NVML unavailable (%s): idle detection uses the engine signal only", err)
