@@ -47,21 +47,34 @@ def _forward_step(data_iterator, model, *, vocab_size: int):
     return output, loss_fn
 
 
+def token_width(longest: int, input_multiple: int = 1) -> int:
+    """The width to pad token rows of up to ``longest`` tokens to. The model reads all but the last token
+    (a label only), and that input length must be a multiple of ``input_multiple``
+    (``mcore.sequence_multiple``: the TP size with sequence parallelism); the extra positions are right
+    padding, hidden from real positions by causal attention and masked out of every loss."""
+    return longest + (1 - longest) % input_multiple
+
+
 def length_sorted_chunks(items: Sequence[T], length: Callable[[T], int], micro_batch_size: int, *,
-                         same_width: bool) -> list[tuple[list[T], int]]:
+                         same_width: bool, input_multiple: int = 1) -> list[tuple[list[T], int]]:
     """``items`` sorted by ``length`` and cut into micro-batches of ``micro_batch_size``, each with the
-    width to pad it to: its own longest item (little padding), or the longest overall when
-    ``same_width`` (pipeline stages need one shape)."""
+    width to pad it to (``token_width``): of its own longest item (little padding), or of the longest
+    overall when ``same_width`` (pipeline stages need one shape)."""
     ordered = sorted(items, key=length)
     chunks = [ordered[i : i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size)]
     longest = max((length(item) for item in ordered), default=0)
-    return [(chunk, longest if same_width else max(length(item) for item in chunk)) for chunk in chunks]
+    return [(chunk, token_width(longest if same_width else max(length(item) for item in chunk), input_multiple))
+            for chunk in chunks]
 
 
-def check_microbatch_shapes(shapes: list[tuple[int, ...]]) -> None:
-    """Pipeline stages exchange activations of one static shape: micro-batches must agree then."""
+def check_microbatch_shapes(shapes: list[tuple[int, ...]], input_multiple: int = 1) -> None:
+    """Pipeline stages exchange activations of one static shape: micro-batches must agree then. With
+    sequence parallelism the model input (width - 1 tokens) must split evenly over the TP ranks."""
     if mcore.stage_info().pp_size > 1 and len(set(shapes)) > 1:
         raise ValueError(f"pipeline parallelism needs micro-batches of one shape; got {sorted(set(shapes))}")
+    if any((shape[1] - 1) % input_multiple for shape in shapes):
+        raise ValueError(f"sequence parallelism needs token widths w with w - 1 a multiple of {input_multiple} "
+                         f"(pad with lm_training.token_width); got {sorted({shape[1] for shape in shapes})}")
 
 
 def lm_train_step(model: torch.nn.Module, optimizer, microbatches: list[LMMicroBatch], *,
@@ -69,9 +82,10 @@ def lm_train_step(model: torch.nn.Module, optimizer, microbatches: list[LMMicroB
     """One optimizer step over ``microbatches`` (gradient accumulation across them).
 
     Collective over all ranks. Micro-batches may differ in length when PP = 1, and sit on any device
-    (they move to the model's). Returns the mean micro-batch loss on the last pipeline stage (None elsewhere).
+    (they move to the model's); with sequence parallelism their widths follow ``token_width``. Returns the
+    mean micro-batch loss on the last pipeline stage (None elsewhere).
     """
-    check_microbatch_shapes([tuple(mb.tokens_bs.shape) for mb in microbatches])
+    check_microbatch_shapes([tuple(mb.tokens_bs.shape) for mb in microbatches], mcore.sequence_multiple(model))
     device = module_device(model)
     microbatches = [to_device(mb, device) for mb in microbatches]
     model.train()

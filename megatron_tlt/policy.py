@@ -17,6 +17,7 @@ from megatron_tlt import mcore, weights
 from megatron_tlt.build_options import BuildOptions
 from megatron_tlt.device import module_device, to_device
 from megatron_tlt.hf_io import CheckpointError
+from megatron_tlt.lm_training import token_width
 from megatron_tlt.model_config import PolicyArchitecture
 from megatron_tlt.policy_meta import MODEL_SUBDIR, PolicyCheckpointMeta
 
@@ -85,13 +86,19 @@ def forward_logits(model: torch.nn.Module, input_ids_bs: torch.Tensor, vocab_siz
 
     Collective over the model-parallel ranks; ``input_ids_bs`` may sit on any device (they move to the
     model's). Returns the logits, on the model's device, on the last pipeline stage and None on the others.
+    With sequence parallelism the ids are right-padded to a multiple of the TP size (causal attention hides
+    the padding) and the logits cut back to ``s``.
     """
     model.eval()
-    input_ids_bs = to_device(input_ids_bs, module_device(model))
+    b, s = input_ids_bs.shape
+    # Every id is model input here: no label column, hence the - 1 around the token-row rule.
+    width = token_width(s + 1, mcore.sequence_multiple(model)) - 1
+    padded_bs = torch.nn.functional.pad(input_ids_bs, (0, width - s))
+    padded_bs = to_device(padded_bs, module_device(model))
     collected: list[torch.Tensor] = []
 
     def loss_fn(output_bsv: torch.Tensor):
-        collected.append(mcore.gather_vocab_logits(output_bsv, vocab_size))
+        collected.append(mcore.gather_vocab_logits(output_bsv, vocab_size)[:, :s])
         return output_bsv.new_zeros(()), {}
 
     def forward_step(data_iterator, stage_model):
@@ -99,8 +106,8 @@ def forward_logits(model: torch.nn.Module, input_ids_bs: torch.Tensor, vocab_siz
         output = stage_model(input_ids, mcore.position_ids_like(input_ids), None)
         return output, loss_fn
 
-    b, s = input_ids_bs.shape
-    mcore.run_schedule(model, forward_step, [input_ids_bs], seq_length=s, micro_batch_size=b, forward_only=True)
+    mcore.run_schedule(model, forward_step, [padded_bs], seq_length=padded_bs.shape[1], micro_batch_size=b,
+                       forward_only=True)
     return collected[0] if collected else None
 
 

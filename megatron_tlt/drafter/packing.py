@@ -144,3 +144,22 @@ def iter_packs(sequences: Iterable[tuple[Sequence[int] | Tensor, Tensor]], max_t
 def pack_sequences(sequences: Iterable[tuple[Sequence[int] | Tensor, Tensor]], max_tokens: int) -> list[DrafterPack]:
     """Every pack at once: first fit over all of them (``iter_packs`` without a bound)."""
     return list(iter_packs(sequences, max_tokens))
+
+
+def pad_rows(pack: DrafterPack, multiple: int) -> DrafterPack:
+    """``pack`` with rows appended up to a multiple of ``multiple`` rows (FP8 GEMMs need row counts divisible
+    by 16), on the pack's device; the pack itself when it already fits. The extra rows are a segment of their
+    own after the real ones (not in ``sequence_index_s``), so no real row attends to them; they hold token 0,
+    zero features and position 0, and the caller cuts them off before the loss."""
+    extra = -pack.num_tokens % multiple
+    if extra == 0:
+        return pack
+
+    def padded(t: Tensor, value: int = 0) -> Tensor:
+        return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+
+    return DrafterPack(
+        input_ids_t=padded(pack.input_ids_t), features_th=padded(pack.features_th),
+        target_features_th=padded(pack.target_features_th), position_ids_t=padded(pack.position_ids_t),
+        segment_ids_t=padded(pack.segment_ids_t, len(pack.sequence_index_s)),
+        sequence_index_s=list(pack.sequence_index_s))

@@ -21,7 +21,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from megatron_tlt.drafter.buffer import HiddenStateBuffer
 from megatron_tlt.drafter.loss import drafter_loss
 from megatron_tlt.drafter.model import EagleDrafter
-from megatron_tlt.drafter.packing import DrafterPack, iter_packs, pack_sequences
+from megatron_tlt.drafter.packing import DrafterPack, iter_packs, pack_sequences, pad_rows
 from megatron_tlt.drafter.precision import DrafterPrecision, autocast
 from megatron_tlt.model_config import PolicyArchitecture
 
@@ -30,6 +30,13 @@ _EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 POLICY_HEAD_NAMES = frozenset({_EMBEDDING, _LM_HEAD})
 """HF names of the policy tensors the drafter drafts with (to keep from a weight sync)."""
 _OPEN_PACKS = 4  # first fit over this many packs at a time: nearly as tight as over all, built lazily
+FP8_ROW_MULTIPLE = 16
+"""Transformer Engine's FP8 GEMMs need row counts divisible by 16: FP8 packs are padded to it."""
+
+
+def row_multiple(precision: DrafterPrecision) -> int:
+    """What a pack's row count is padded to before the drafter runs on it (``packing.pad_rows``)."""
+    return FP8_ROW_MULTIPLE if precision.fp8 else 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -146,10 +153,12 @@ class DrafterTrainer:
         return totals
 
     def _loss(self, pack: DrafterPack):
+        rows = pad_rows(pack, row_multiple(self.precision))
         with autocast(self.precision):
-            pred = self.drafter(self._embedding_vh[pack.input_ids_t], pack.features_th, pack.position_ids_t,
-                                pack.segment_ids_t)
-        return drafter_loss(pred, pack.target_features_th, self._lm_head_vh,
+            pred = self.drafter(self._embedding_vh[rows.input_ids_t], rows.features_th, rows.position_ids_t,
+                                rows.segment_ids_t)
+        # The padding rows are cut off: the loss and its metrics see the pack's own rows only.
+        return drafter_loss(pred[:pack.num_tokens], pack.target_features_th, self._lm_head_vh,
                             hidden_weight=self.settings.hidden_weight, ce_weight=self.settings.ce_weight)
 
     def _drop(self, pack: DrafterPack) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from megatron_tlt import mcore
 from megatron_tlt.device import module_device, to_device
+from megatron_tlt.lm_training import token_width
 
 
 @dataclasses.dataclass
@@ -43,10 +44,12 @@ class LogProbResult:
         return None if self.features is None else list(torch.split(self.features, self.feature_rows))
 
 
-def pad_sequences(sequences: Sequence[Sequence[int]], pad_id: int, *, device: torch.device) -> torch.Tensor:
-    """[b, longest] token ids, right-padded with ``pad_id``: built on the host, moved to ``device`` whole."""
-    longest = max(len(s) for s in sequences)
-    tokens_bs = torch.tensor([list(s) + [pad_id] * (longest - len(s)) for s in sequences], dtype=torch.long)
+def pad_sequences(sequences: Sequence[Sequence[int]], pad_id: int, *, device: torch.device,
+                  input_multiple: int = 1) -> torch.Tensor:
+    """[b, width] token ids, right-padded with ``pad_id`` to ``token_width`` of the longest (``input_multiple``:
+    ``mcore.sequence_multiple``): built on the host, moved to ``device`` whole."""
+    width = token_width(max(len(s) for s in sequences), input_multiple)
+    tokens_bs = torch.tensor([list(s) + [pad_id] * (width - len(s)) for s in sequences], dtype=torch.long)
     return to_device(tokens_bs, device)
 
 
@@ -56,16 +59,22 @@ class _FinalNormCapture:
 
     Only what the drafter buffer would keep is ever held: a step's rollouts are far larger than the
     buffer at scale (70B: 256 sequences per replica, ~12 GiB in bf16 at a 3k-token average, 36 GiB at 9k).
+    With sequence parallelism the norm's output is this TP rank's slice of the sequence: the slices are
+    gathered first (every TP rank of the last stage runs the hook on the same micro-batches, in lockstep).
     """
 
     def __init__(self, model: torch.nn.Module, rows_by_batch: list[list[tuple[int, int, int]]], out: torch.Tensor):
-        self.rows_by_batch, self.out, self.batch = rows_by_batch, out, 0
+        self.model, self.rows_by_batch, self.out, self.batch = model, rows_by_batch, out, 0
         self._handle = mcore.unwrap(model).decoder.final_layernorm.register_forward_hook(self._keep)
 
-    def _keep(self, module, inputs, output):
-        for j, offset, rows in self.rows_by_batch[self.batch]:
-            self.out[offset:offset + rows].copy_(output[:rows, j])
+    def _keep(self, module, inputs, output_sbh):
+        kept = self.rows_by_batch[self.batch]
         self.batch += 1
+        if not kept:  # the same on every TP rank: all skip the gather together
+            return
+        full_sbh = mcore.full_sequence(output_sbh, self.model)
+        for j, offset, rows in kept:
+            self.out[offset:offset + rows].copy_(full_sbh[:rows, j])
 
     def remove(self) -> None:
         self._handle.remove()
@@ -90,7 +99,8 @@ def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
     model.eval()
     batches = [sequences[i : i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size)]
     device = module_device(model)
-    padded = [pad_sequences(batch, pad_id, device=device) for batch in batches]
+    input_multiple = mcore.sequence_multiple(model)
+    padded = [pad_sequences(batch, pad_id, device=device, input_multiple=input_multiple) for batch in batches]
     stage = mcore.stage_info()
     kept: list[int] = []
     if capture_hidden:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_tlt import mcore
 from megatron_tlt.device import module_device, to_device
-from megatron_tlt.lm_training import check_microbatch_shapes, length_sorted_chunks
+from megatron_tlt.lm_training import check_microbatch_shapes, length_sorted_chunks, token_width
 from megatron_tlt.rl import losses
 
 # Diagnostics summed per token, then divided by the token count of the whole mini-batch.
@@ -61,11 +61,11 @@ class LossSettings:
 
 
 def make_microbatch(sequences: Sequence[PolicySequence], pad_id: int, width: int | None = None, *,
-                    device: torch.device) -> PolicyMicroBatch:
-    """Pad ``sequences`` to ``width`` tokens (default: the longest), on ``device``. Label position t
-    predicts token t + 1, so it is a response position when t + 1 >= prompt_len. Ids and masks are
-    written on the host, log-prob rows padded on their own device; each tensor then moves once."""
-    width = width or max(len(s.token_ids) for s in sequences)
+                    device: torch.device, input_multiple: int = 1) -> PolicyMicroBatch:
+    """Pad ``sequences`` to ``width`` tokens (default: ``token_width`` of the longest), on ``device``. Label
+    position t predicts token t + 1, so it is a response position when t + 1 >= prompt_len. Ids and masks
+    are written on the host, log-prob rows padded on their own device; each tensor then moves once."""
+    width = width or token_width(max(len(s.token_ids) for s in sequences), input_multiple)
     b = len(sequences)
     tokens = torch.full((b, width), pad_id, dtype=torch.long)
     mask = torch.zeros((b, width - 1), dtype=torch.bool)
@@ -90,10 +90,12 @@ def _pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
 
 
 def make_microbatches(sequences: Sequence[PolicySequence], micro_batch_size: int, pad_id: int, *,
-                      same_width: bool, device: torch.device) -> list[PolicyMicroBatch]:
-    """Length-sorted micro-batches (little padding) on ``device``; ``same_width`` pads all to one length (PP > 1)."""
+                      same_width: bool, device: torch.device, input_multiple: int = 1) -> list[PolicyMicroBatch]:
+    """Length-sorted micro-batches (little padding) on ``device``; ``same_width`` pads all to one length (PP > 1);
+    widths follow ``token_width(.., input_multiple)``."""
     return [make_microbatch(chunk, pad_id, width, device=device) for chunk, width in
-            length_sorted_chunks(sequences, lambda s: len(s.token_ids), micro_batch_size, same_width=same_width)]
+            length_sorted_chunks(sequences, lambda s: len(s.token_ids), micro_batch_size, same_width=same_width,
+                                 input_multiple=input_multiple)]
 
 
 def _forward_step(data_iterator, model, *, vocab_size: int, settings: LossSettings):
@@ -152,13 +154,15 @@ def policy_update_step(model: torch.nn.Module, optimizer, sequences: Sequence[Po
         return {"num_tokens": 0.0, "skipped": 1.0}
     same_width = mcore.stage_info().pp_size > 1
     device = module_device(model)
+    input_multiple = mcore.sequence_multiple(model)
     if sequences:
-        microbatches = make_microbatches(sequences, micro_batch_size, pad_id, same_width=same_width, device=device)
+        microbatches = make_microbatches(sequences, micro_batch_size, pad_id, same_width=same_width, device=device,
+                                         input_multiple=input_multiple)
     else:  # a placeholder row: zero valid tokens, so it adds nothing to the sums
         placeholder = PolicySequence(token_ids=[pad_id, pad_id], prompt_len=2, old_logprobs=torch.zeros(1), advantage=0.0,
                                      ref_logprobs=torch.zeros(1) if has_ref else None)
-        microbatches = [make_microbatch([placeholder], pad_id, device=device)]
-    check_microbatch_shapes([tuple(mb.tokens_bs.shape) for mb in microbatches])
+        microbatches = [make_microbatch([placeholder], pad_id, device=device, input_multiple=input_multiple)]
+    check_microbatch_shapes([tuple(mb.tokens_bs.shape) for mb in microbatches], input_multiple)
     model.train()
     model.zero_grad_buffer()
     optimizer.zero_grad()

@@ -33,13 +33,15 @@ class WarmupSchedule:
 
 
 def length_sorted_microbatches(sequences: Sequence[tuple[list[int], int]], micro_batch_size: int, pad_id: int,
-                               *, same_length: bool, device: torch.device) -> list[LMMicroBatch]:
+                               *, same_length: bool, device: torch.device,
+                               input_multiple: int = 1) -> list[LMMicroBatch]:
     """Micro-batches of (ids, prompt length) pairs on ``device``, sorted by length so padding stays small;
-    the loss mask covers the tokens after the prompt. ``same_length`` pads all to one length (PP > 1).
-    Rows are written on the host; each finished tensor moves once."""
+    the loss mask covers the tokens after the prompt. ``same_length`` pads all to one length (PP > 1);
+    widths follow ``token_width(.., input_multiple)``. Rows are written on the host; each finished tensor
+    moves once."""
     batches = []
     for chunk, width in length_sorted_chunks(sequences, lambda pair: len(pair[0]), micro_batch_size,
-                                             same_width=same_length):
+                                             same_width=same_length, input_multiple=input_multiple):
         tokens = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
         for row, (ids, prompt_len) in enumerate(chunk):
@@ -63,13 +65,14 @@ def run_warmup(model: torch.nn.Module, optimizer, corpus: Sequence[tuple[list[in
     per_rank = schedule.sequences_per_step // dp_size
     same_length = mcore.stage_info().pp_size > 1
     device = module_device(model)
+    input_multiple = mcore.sequence_multiple(model)
     losses = []
     started = time.perf_counter()
     for step in range(schedule.steps):
         batch = rng.sample(range(len(corpus)), schedule.sequences_per_step)
         mine = [corpus[i] for i in batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]]
         microbatches = length_sorted_microbatches(mine, schedule.micro_batch_size, pad_id, same_length=same_length,
-                                                  device=device)
+                                                  device=device, input_multiple=input_multiple)
         loss = lm_train_step(model, optimizer, microbatches, vocab_size=vocab_size)
         scheduler.step(1)
         if loss is not None:

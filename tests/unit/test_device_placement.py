@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_tlt.device import compute_device, module_device, to_device
-from megatron_tlt.lm_training import LMMicroBatch
+from megatron_tlt.lm_training import LMMicroBatch, token_width
 from megatron_tlt.parallel import ParallelLayout
 from megatron_tlt.rl.actor import pad_sequences
 from megatron_tlt.rl.update import PolicyMicroBatch, PolicySequence, make_microbatch, make_microbatches
@@ -119,3 +119,28 @@ def test_moving_a_batch_moves_every_tensor_field_and_keeps_the_rest(batch):
 def test_a_tensor_already_on_the_device_is_not_copied():
     tokens_bs = torch.ones(2, 3)
     assert to_device(tokens_bs, CPU) is tokens_bs
+
+
+def test_with_sequence_parallelism_token_rows_are_padded_so_the_model_input_splits_over_the_tp_ranks():
+    # the model reads width - 1 tokens (the last is a label only): that length is padded to the multiple
+    assert [token_width(n, 2) for n in (2, 3, 4, 5, 8)] == [3, 3, 5, 5, 9]
+    assert [token_width(n, 4) for n in (2, 5, 6)] == [5, 5, 9]
+    assert [token_width(n) for n in (2, 3, 8)] == [2, 3, 8]
+
+
+def test_every_batch_builder_pads_to_the_input_multiple():
+    assert pad_sequences([[1, 2, 3, 4], [5]], 0, device=CPU, input_multiple=2).tolist() == [
+        [1, 2, 3, 4, 0], [5, 0, 0, 0, 0]]
+    batch = make_microbatch(_policy_sequences(), pad_id=0, device=CPU, input_multiple=2)
+    assert batch.tokens_bs.tolist() == [[5, 6, 7, 8, 0], [9, 10, 11, 0, 0]]
+    # the extra label position is no response position, and its old/ref log-probs are zero padding
+    assert batch.response_mask_bl.tolist() == [[False, True, True, False], [True, True, False, False]]
+    assert batch.old_logprobs_bl[:, -1].tolist() == [0.0, 0.0]
+    longer = PolicySequence(token_ids=[1, 2, 3, 4, 5, 6], prompt_len=1, old_logprobs=torch.zeros(5), advantage=0.0)
+    for same_width, widths in ((False, [5, 7]), (True, [7, 7])):
+        batches = make_microbatches(_policy_sequences(with_ref=False) + [longer], 2, 0, same_width=same_width,
+                                    device=META, input_multiple=2)
+        assert [b.tokens_bs.shape[1] for b in batches] == widths
+    first, second = length_sorted_microbatches(WARMUP_PAIRS, 2, 0, same_length=False, device=CPU, input_multiple=2)
+    assert first.tokens_bs.tolist() == [[4, 5, 0], [1, 2, 3]]  # width 3 already fits
+    assert (second.tokens_bs.tolist(), second.loss_mask_bs.tolist()) == ([[6, 7, 8, 9, 0]], [[0, 0, 1, 1, 0]])

@@ -125,3 +125,45 @@ def test_lazy_packing_builds_packs_as_asked_and_covers_every_row_once():
     want = sorted((i, t) for i, (ids, _) in enumerate(sequences) for t in range(len(ids) - 2))
     assert rows == want
     assert len(packs) <= len(pack_sequences(sequences, 64)) + 2  # nearly as tight as first fit over all
+
+
+def test_fp8_packs_are_padded_to_16_rows_with_a_segment_of_their_own_and_others_are_left_alone():
+    from megatron_tlt.drafter.packing import pad_rows
+    from megatron_tlt.drafter.precision import DrafterPrecision
+    from megatron_tlt.drafter.trainer import row_multiple
+
+    cpu = torch.device("cpu")
+    assert row_multiple(DrafterPrecision(cpu, torch.bfloat16, fp8=True)) == 16
+    assert row_multiple(DrafterPrecision(cpu, torch.bfloat16)) == 1
+    assert row_multiple(DrafterPrecision(cpu, torch.float32)) == 1
+    (pack,) = pack_sequences([_sequence(n, seed) for seed, n in enumerate([20, 9])], max_tokens=128)  # 18 + 7 rows
+    padded = pad_rows(pack, 16)
+    assert (pack.num_tokens, padded.num_tokens) == (25, 32)
+    for name in ("input_ids_t", "features_th", "target_features_th", "position_ids_t", "segment_ids_t"):
+        assert torch.equal(getattr(padded, name)[:25], getattr(pack, name))
+    assert padded.segment_ids_t[25:].tolist() == [2] * 7 and padded.sequence_index_s == pack.sequence_index_s
+    assert not padded.features_th[25:].any() and not padded.input_ids_t[25:].any()
+    assert pad_rows(pack, 1) is pack and pad_rows(padded, 16) is padded
+
+
+def test_padding_rows_change_neither_the_real_rows_output_nor_the_drafter_loss(monkeypatch):
+    from megatron_tlt.drafter import trainer as trainer_module
+    from megatron_tlt.drafter.packing import pad_rows
+
+    drafter = EagleDrafter(LLAMA, seed=0)
+    embed = torch.randn(LLAMA.vocab_size, H)
+    sequences = [_sequence(n, seed) for seed, n in enumerate([20, 9])]
+    (pack,) = pack_sequences(sequences, max_tokens=128)
+    torch.testing.assert_close(_run(drafter, embed, pad_rows(pack, 16))[:pack.num_tokens], _run(drafter, embed, pack),
+                               atol=1e-5, rtol=1e-5)
+    settings = trainer_module.DrafterTrainingSettings(lr=1e-3, buffer_tokens=256, pack_tokens=128, hidden_weight=1.0,
+                                                      ce_weight=0.1, seed=0)
+    trainer = trainer_module.DrafterTrainer(LLAMA, settings)
+    trainer.set_policy_heads({"model.embed_tokens.weight": embed})
+    token_ids, features = [ids.tolist() for ids, _ in sequences], [f for _, f in sequences]
+    plain = trainer.evaluate(token_ids, features)
+    monkeypatch.setattr(trainer_module, "row_multiple", lambda precision: 16)  # the FP8 rule, on an fp32 drafter
+    padded = trainer.evaluate(token_ids, features)
+    assert padded["tokens"] == plain["tokens"] == 25
+    assert padded["loss_sum"] == pytest.approx(plain["loss_sum"], rel=1e-5)
+    assert padded["top1_sum"] == plain["top1_sum"]
