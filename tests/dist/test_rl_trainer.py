@@ -106,10 +106,15 @@ def tp2_cache(tmp_path_factory):
 
 
 def test_trainer_at_tensor_parallel_2_runs_one_engine_over_both_ranks(env, tp2_cache, tmp_path):
+    # Built the way the flagship is: sequence parallelism, full recompute, the distributed optimizer.
     run_dir = tmp_path / "tp2"
     _train(env, *SMALL, "trainer.steps=1", "parallel.tensor_parallel_size=2", "parallel.data_parallel_size=1",
+           "parallel.sequence_parallel=true", "trainer.recompute=full", "optimizer.distributed=true",
            "trainer.capture_hidden_states=true", "drafter.speculative_tokens=2", "speculation.adaptive=true",
            f"warmup.cache_dir={tp2_cache}", f"trainer.run_dir={run_dir}")
+    # the distributed optimizer's state: one file per rank, named with its DP rank
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_000001" / "optimizer").iterdir()) == [
+        "tp0of2_pp0of1_dp0of1.pt", "tp1of2_pp0of1_dp0of1.pt"]
     records = _summary(run_dir)
     assert [r["step"] for r in records] == [1]
     for record in records:
