@@ -5,7 +5,8 @@
   tlt bench rollout [--config NAME|PATH] [--policy RUN|CKPT] [--drafter DIR|RUN] [--depths 1,2,3,4] [key=value ...]
   tlt convert hf-to-mcore --hf DIR --out DIR --tp N --pp M [--dtype float32|bfloat16|float16]
   tlt convert mcore-to-hf --ckpt RUN|CKPT --out DIR
-  tlt plan --model CONFIG --nodes N --gpus-per-node G [--tp T --pp P ...]   layout + per-GPU memory
+  tlt plan --config NAME|PATH --nodes N --gpus-per-node G [key=value ...]   layout + per-GPU memory
+  tlt plan --model CONFIG --nodes N --gpus-per-node G [--tp T --pp P ...]   the same from flags
   tlt export-drafter --ckpt RUN|CKPT --out DIR [--format vllm|sglang]   a serving EAGLE drafter
 
 Bad input ends with one line, ``tlt: error: ...``, naming the problem, and exit code 2.
@@ -95,7 +96,7 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from megatron_tlt.plan import run
+    from megatron_tlt.plan_cli import run
 
     return run(args)
 
@@ -171,11 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (e.g. 2GB, 500MB)")
     to_hf.set_defaults(func=_cmd_mcore_to_hf)
 
-    from megatron_tlt import plan as layout_plan  # argparse and the planner's dataclasses only
+    from megatron_tlt import plan_cli  # argparse and the planner's dataclasses only
 
     plan = commands.add_parser("plan", help="check a TP x PP x DP layout and estimate per-GPU memory",
-                               description=layout_plan.DESCRIPTION)
-    layout_plan.add_arguments(plan)
+                               description=plan_cli.DESCRIPTION)
+    plan_cli.add_arguments(plan)
     plan.set_defaults(func=_cmd_plan)
 
     export = commands.add_parser("export-drafter", help="write a run's drafter as a vLLM or SGLang EAGLE checkpoint")
