@@ -105,7 +105,7 @@ def test_slurm_dry_run_prints_one_torchrun_per_node_with_one_rendezvous(tmp_path
         assert exported.get(name) == value, exported
     for name in ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS"):
         assert name in exported
-    assert "plan --model" in result.stdout + result.stderr  # run, or a note that it is missing here
+    assert f"plan --config {FLAGSHIP_CONFIG}" in result.stdout + result.stderr  # run, or a note that it is missing
     assert not (tmp_path / "logs").exists() and not (tmp_path / "run").exists()  # a dry run makes nothing
 
 
@@ -120,6 +120,7 @@ def test_slurm_dry_run_resumes_a_run_dir_that_holds_a_complete_checkpoint(tmp_pa
         tail = words[words.index("-m"):]
         assert tail[3:5] == ["--resume", str(tmp_path / "run")]
         assert "--config" not in tail and "model.hf_dir=/models/llama-70b" in tail
+    assert f"plan --config {tmp_path / 'run' / 'config.yaml'} " in result.stdout  # the config --resume runs
 
 
 def test_slurm_dry_run_would_set_aside_a_run_that_never_checkpointed(tmp_path):
@@ -200,9 +201,9 @@ def test_slurm_job_checks_the_plan_then_runs_torchrun_on_every_node_with_its_nod
     assert result.returncode == 0, result.stdout + result.stderr
     lines = log.read_text().splitlines()
     plan = [line for line in lines if line.startswith("python") and "--help" not in line]
-    assert plan == ["python -m megatron_tlt.cli plan --model "
-                    f"{SHIPPED_70B_MODEL / 'config.json'} --nodes 8 --gpus-per-node 8 --tp 8 --pp 4 "
-                    "--seq-len 9216 --micro-batch-size 1 --gpu-memory-utilization 0.35 --no-distributed-optimizer"]
+    # the config and overrides the ranks run (tests/unit/test_plan.py: that config fits on 8 x 8 H100)
+    assert plan == [f"python -m megatron_tlt.cli plan --config {FLAGSHIP_CONFIG} --nodes 8 --gpus-per-node 8 "
+                    "parallel.tensor_parallel_size=8 parallel.pipeline_parallel_size=4 parallel.data_parallel_size=2"]
     launched = [line.split() for line in lines if line.startswith("torchrun")]
     assert sorted(int(_flag(words, "--node-rank")) for words in launched) == list(range(8))
     assert {_flag(words, "--rdzv-endpoint") for words in launched} == {"gpu-node1:29500"}
