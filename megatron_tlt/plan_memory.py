@@ -50,9 +50,10 @@ The peak is those, for every micro-batch in flight, plus the worst of these mome
 (5 fp32 h T' temporaries of the composite backward, measured), the last layer's MLP backward (the
 gathered output gradient B h T and three f-sized gradients, less the ``linear_fc2`` input), its
 attention forward (local: the score matrix, B b a s^2 / t, and its fp32 copy when B != 4; with recompute
-the softmax and probabilities too) and its attention backward (local: 3 fp32 [b, a/t, s, s] in fp32, where
-autograd's backward of the in-place ``masked_fill_`` on a view of the score buffer holds four at once;
-2 x 4 - B otherwise; SDPA: the q, k, v gradients and an fp32 query-gradient accumulator). Under full
+the softmax and probabilities too) and its attention backward (local, in units of b a s^2 / t bytes: 3 x 4
+in fp32, where autograd's backward of the in-place ``masked_fill_`` on a view of the score matrix holds
+four fp32 copies while the softmax is freed; 2 x 4 - B otherwise, two fp32 gradients while the
+probabilities are freed; SDPA: the q, k, v gradients and an fp32 query-gradient accumulator). Under full
 recompute the layer moments carry the recomputed layer's whole working set.
 
 Measured on an H100 (the old local spec, bf16, 1.24B Llama, TP=1): 5.9 GiB of activations at 1024 tokens
