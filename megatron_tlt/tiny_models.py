@@ -84,6 +84,22 @@ def hf_logits(model_dir: str | Path, input_ids_bs: torch.Tensor) -> torch.Tensor
     return model(input_ids_bs).logits
 
 
+@torch.no_grad()
+def hf_logprobs_and_features(model_dir: str | Path, sequences) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """transformers' reference for the log-prob pass, in fp32: per sequence, log p(token t+1 | <= t) [len - 1]
+    and the last hidden state after the final norm [len - 1, h] (what the drafter reads)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    logprobs, hidden = [], []
+    for seq in sequences:
+        out = model(torch.tensor([list(seq)]), output_hidden_states=True)
+        token_logprobs = torch.log_softmax(out.logits[0, :-1], dim=-1)
+        logprobs.append(token_logprobs.gather(-1, torch.tensor(list(seq[1:])).unsqueeze(-1)).squeeze(-1))
+        hidden.append(out.hidden_states[-1][0, :-1])  # transformers' last entry is after the final norm
+    return logprobs, hidden
+
+
 def next_token_fixture(arch, *, seed: int = 0, logit_scale: float = 1.5) -> dict:
     """A target whose next token depends on the current token alone, and drafters for it.
 

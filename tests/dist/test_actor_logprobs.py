@@ -2,9 +2,9 @@
 post-final-norm hidden states (the EAGLE drafter's features), at TP=1, TP=2 and PP=2."""
 
 import pytest
-import torch
 
 from megatron_tlt.launcher import run_on_ranks
+from megatron_tlt.tiny_models import hf_logprobs_and_features
 
 SEQUENCES = [[1, 5, 7, 9, 11, 13], [3, 4, 100], [200, 13, 17, 19, 23, 29, 31, 37], [42, 43]]
 SHARED_ROWS = 10  # a drafter buffer this size keeps the newest three sequences (2 + 7 + 1 rows), not the first (5)
@@ -27,24 +27,10 @@ def _logprobs_on_rank(ckpt_dir: str, tp: int, pp: int):
         return result.token_logprobs, result.hidden_states, shared, held
 
 
-def _transformers_reference(hf_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    logprobs, hidden = [], []
-    with torch.no_grad():
-        for seq in SEQUENCES:
-            out = model(torch.tensor([seq]), output_hidden_states=True)
-            lp = torch.log_softmax(out.logits[0, :-1], dim=-1)
-            logprobs.append(lp.gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1))
-            hidden.append(out.hidden_states[-1][0, :-1])  # transformers' last entry is after the final norm
-    return logprobs, hidden
-
-
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def test_logprobs_and_drafter_features_match_transformers(tp, pp, llama_mcore_tp2, tiny_llama_dir):
     per_rank = run_on_ranks(_logprobs_on_rank, tp * pp, str(llama_mcore_tp2), tp, pp)
-    ref_logprobs, ref_hidden = _transformers_reference(tiny_llama_dir)
+    ref_logprobs, ref_hidden = hf_logprobs_and_features(tiny_llama_dir, SEQUENCES)
     last_stage = [v for v in per_rank.values() if v[0]]
     assert len(last_stage) == tp  # every TP rank of the last stage holds the full result
     for _, _, (kept, shared), held in per_rank.values():  # every stage, for the drafter's idle ranks

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatron_tlt.launcher import run_on_ranks
+from megatron_tlt.tiny_models import hf_logprobs_and_features
 from megatron_tlt.parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
 
 pytestmark = pytest.mark.needs("cuda", "megatron")
@@ -59,23 +60,9 @@ def _logprobs_on_rank(ckpt_dir: str):
         return logprobs, hidden, result.features.device.type
 
 
-def _transformers_reference(hf_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    logprobs, hidden = [], []
-    with torch.no_grad():
-        for seq in SEQUENCES:
-            out = model(torch.tensor([seq]), output_hidden_states=True)
-            token_logprobs = torch.log_softmax(out.logits[0, :-1], dim=-1)
-            logprobs.append(token_logprobs.gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1))
-            hidden.append(out.hidden_states[-1][0, :-1])  # after the final norm, as the drafter reads it
-    return logprobs, hidden
-
-
 def test_rl_logprob_pass_on_cuda_matches_transformers_logprobs_and_drafter_features(llama_mcore_tp1, tiny_llama_dir):
     logprobs, hidden, device = run_on_ranks(_logprobs_on_rank, 1, str(llama_mcore_tp1))[0]
-    ref_logprobs, ref_hidden = _transformers_reference(tiny_llama_dir)
+    ref_logprobs, ref_hidden = hf_logprobs_and_features(tiny_llama_dir, SEQUENCES)
     assert device == "cuda"
     for ours, ref in zip(logprobs + hidden, ref_logprobs + ref_hidden, strict=True):
         assert ours.shape == ref.shape and (ours - ref).abs().max() < PARITY_TOLERANCE  # 9.5e-7 measured
