@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_tlt.build_options import ATTENTIONS, RECOMPUTES
+from megatron_tlt.build_options import BuildOptions
 from megatron_tlt.model_config import PolicyArchitecture
 
 FP32 = 4
@@ -125,10 +125,8 @@ class ActivationSetting:
     param_bytes: int = BF16
 
     def __post_init__(self):
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got '{self.attention}'")
-        if self.recompute not in RECOMPUTES:
-            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTES)}, got '{self.recompute}'")
+        # the choices are BuildOptions': it refuses an unknown attention or recompute, in the same words
+        BuildOptions(attention=self.attention, recompute=self.recompute, sequence_parallel=self.sequence_parallel)
 
     @property
     def tokens(self) -> int:
