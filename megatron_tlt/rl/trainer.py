@@ -43,7 +43,7 @@ from megatron_tlt.rl.engine_placement import engine_placement
 from megatron_tlt.rl.rewards import get_reward_fn
 from megatron_tlt.rl.sampler import PromptSampler
 from megatron_tlt.rl.task import engine_config_for, load_task, sampling_settings
-from megatron_tlt.rl.timeline import BUSY, IDLE, PHASES, TRAINING, RankTimeline, rollout_idle_seconds, rollout_idle_shares
+from megatron_tlt.timeline import BUSY, IDLE, PHASES, TRAINING, RankTimeline, rollout_idle_seconds, rollout_idle_shares
 from megatron_tlt.rl.update import LossSettings, PolicySequence, policy_update_step
 from megatron_tlt.rl.weight_sync import sync_policy_to_engine
 from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings, SpeculativeSettings

@@ -13,7 +13,7 @@ def _rollout_with_spot_training(fail_on_call: int | None, duty_cycle: float = 1.
     import torch.distributed as dist
 
     from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotTrainer
-    from megatron_tlt.rl.timeline import IDLE, TRAINING, RankTimeline
+    from megatron_tlt.timeline import IDLE, TRAINING, RankTimeline
 
     dist.init_process_group("gloo")
     try:
