@@ -4,7 +4,7 @@
     python bench/tlt_end_to_end.py --steps 20 -- rollout.max_response_tokens=256
 
 Both runs use the same seeds and the same number of steps. TLT on starts its drafter from the benchmarks'
-cached warm-up drafter of the initial policy (``rl/run.bench_drafter``, made on first use, as ``tlt bench
+cached warm-up drafter of the initial policy (``commands/start.bench_drafter``, made on first use, as ``tlt bench
 rollout`` does), speculates up to depth ``--depth`` with BEG-MAB choosing per engine step, and trains the drafter
 on idle ranks. Prints the step-time ratio (total and per phase), and the reward and accuracy curves of
 both runs side by side (sampling differs between them: speculative rollouts on CPU draw from the
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = parser.parse_args()
     if args.drafter is None:
-        from megatron_tlt.rl.run import bench_drafter
+        from megatron_tlt.commands.start import bench_drafter
 
         args.drafter = str(bench_drafter(None, args.overrides))
     common = [f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0", *args.overrides]

@@ -64,6 +64,11 @@ def launched_world_size() -> int | None:
     return int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
+def launched_rank() -> int:
+    """This process's global rank as torchrun set it (0 outside torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def run_on_ranks(fn: Callable, nprocs: int, *args: Any, isolated: bool = False) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nprocs`` local ranks; returns {rank: return value}.
 
@@ -71,7 +76,7 @@ def run_on_ranks(fn: Callable, nprocs: int, *args: Any, isolated: bool = False) 
     rank runs in this process unless ``isolated`` (e.g. to keep an engine's global state out of it).
     """
     if (nprocs == 1 and not isolated) or launched_world_size() == nprocs:
-        return {int(os.environ.get("RANK", 0)): fn(*args)}
+        return {launched_rank(): fn(*args)}
     # deferred: torch takes ~1.9 s to import, and every tlt command imports this module before it validates
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

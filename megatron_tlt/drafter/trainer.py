@@ -10,7 +10,6 @@ Nothing here touches the policy, the global RNGs or a process group except ``ave
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections.abc import Callable, Iterator
 
@@ -23,6 +22,7 @@ from megatron_tlt.drafter.loss import drafter_loss
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.packing import DrafterPack, iter_packs, pack_sequences, pad_rows
 from megatron_tlt.drafter.precision import DrafterPrecision, autocast
+from megatron_tlt.config import DrafterConfig
 from megatron_tlt.model_config import PolicyArchitecture
 
 
@@ -39,25 +39,19 @@ def row_multiple(precision: DrafterPrecision) -> int:
     return FP8_ROW_MULTIPLE if precision.fp8 else 1
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DrafterTrainingSettings:
-    lr: float
-    buffer_tokens: int
-    pack_tokens: int
-    hidden_weight: float
-    ce_weight: float
-    seed: int
-    precision: DrafterPrecision = DrafterPrecision(torch.device("cpu"), torch.float32)
-
-
 class DrafterTrainer:
-    def __init__(self, arch: PolicyArchitecture, settings: DrafterTrainingSettings):
+    def __init__(self, arch: PolicyArchitecture, settings: DrafterConfig, *, seed: int,
+                 precision: DrafterPrecision = DrafterPrecision(torch.device("cpu"), torch.float32),
+                 buffer_tokens: int | None = None):
+        """``settings`` is the run's ``drafter`` section (lr, pack_tokens, loss weights); ``buffer_tokens``
+        overrides its ``buffer_tokens`` (the offline warm-up keeps every feature it makes)."""
         self.arch, self.settings = arch, settings
-        self.precision = p = settings.precision
-        self.drafter = EagleDrafter(arch, seed=settings.seed, dtype=p.dtype, device=p.device, fp8=p.fp8)
+        self.precision = p = precision
+        self.drafter = EagleDrafter(arch, seed=seed, dtype=p.dtype, device=p.device, fp8=p.fp8)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=settings.lr, weight_decay=0.0)
         # On the drafter's device: features stay where the log-prob pass made them (no copy on the critical path).
-        self.buffer = HiddenStateBuffer(settings.buffer_tokens, device=p.device)
+        self.buffer_tokens = settings.buffer_tokens if buffer_tokens is None else buffer_tokens
+        self.buffer = HiddenStateBuffer(self.buffer_tokens, device=p.device)
         self._embedding_vh: torch.Tensor | None = None
         self._lm_head_vh: torch.Tensor | None = None
         self._pack_stream: Iterator[DrafterPack] | None = None
@@ -67,6 +61,13 @@ class DrafterTrainer:
         self.reset_phase_stats()
 
     # -------------------------------------------------------------- inputs, refreshed every RL step
+
+    wants_policy_heads = True
+    """A rank session's weight sync keeps the policy's embedding and LM head for a drafter that trains."""
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        """The drafter's own weights in vLLM's names (what an engine loads)."""
+        return self.drafter.export_tensors()
 
     def set_policy_heads(self, hf_tensors: dict[str, torch.Tensor]) -> None:
         """The policy's current (unpadded) embedding and LM head, from HF tensors holding

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tlt import mcore
+from megatron_tlt.config import AlgorithmConfig
 from megatron_tlt.device import module_device, to_device
 from megatron_tlt.lm_training import check_microbatch_shapes, length_sorted_chunks, token_width
 from megatron_tlt.rl import losses
@@ -50,14 +51,6 @@ class PolicyMicroBatch:
     old_logprobs_bl: torch.Tensor
     ref_logprobs_bl: torch.Tensor | None
     advantages_b: torch.Tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class LossSettings:
-    clip_low: float
-    clip_high: float
-    aggregation: str
-    kl_coef: float
 
 
 def make_microbatch(sequences: Sequence[PolicySequence], pad_id: int, width: int | None = None, *,
@@ -98,7 +91,7 @@ def make_microbatches(sequences: Sequence[PolicySequence], micro_batch_size: int
                                  input_multiple=input_multiple)]
 
 
-def _forward_step(data_iterator, model, *, vocab_size: int, settings: LossSettings):
+def _forward_step(data_iterator, model, *, vocab_size: int, settings: AlgorithmConfig):
     batch: PolicyMicroBatch = next(data_iterator)
     inputs = batch.tokens_bs[:, :-1].contiguous()
     labels = batch.tokens_bs[:, 1:].contiguous()
@@ -111,7 +104,7 @@ def _forward_step(data_iterator, model, *, vocab_size: int, settings: LossSettin
             ref_logprobs_bt=batch.ref_logprobs_bl, kl_coef=settings.kl_coef,
             clip_low=settings.clip_low, clip_high=settings.clip_high,
         )
-        numerator, count = losses.aggregate_parts(terms.loss_bt, terms.valid_bt, settings.aggregation)
+        numerator, count = losses.aggregate_parts(terms.loss_bt, terms.valid_bt, settings.loss_aggregation)
         report = {name: values[terms.valid_bt].sum() for name, values in terms.stats_bt.items()}
         report["num_tokens"] = terms.valid_bt.sum().float()
         return numerator, count.to(torch.int), report
@@ -140,7 +133,7 @@ def _reduce_report(reports: list[dict[str, torch.Tensor]], names: tuple[str, ...
 
 
 def policy_update_step(model: torch.nn.Module, optimizer, sequences: Sequence[PolicySequence], *, vocab_size: int,
-                       micro_batch_size: int, pad_id: int, settings: LossSettings) -> dict[str, float]:
+                       micro_batch_size: int, pad_id: int, settings: AlgorithmConfig) -> dict[str, float]:
     """One optimizer step on this rank's share of a mini-batch (collective over all ranks).
 
     Every rank must call it, also with no sequences of its own (e.g. all its groups were filtered):

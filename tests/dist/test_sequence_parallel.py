@@ -24,7 +24,8 @@ def _one_layout(ckpt_dir: str, sequence_parallel: bool) -> dict:
     from megatron_tlt import mcore, policy
     from megatron_tlt.build_options import BuildOptions
     from megatron_tlt.rl.actor import compute_logprobs
-    from megatron_tlt.rl.update import LossSettings, PolicySequence, policy_update_step
+    from megatron_tlt.config import AlgorithmConfig
+    from megatron_tlt.rl.update import PolicySequence, policy_update_step
     from megatron_tlt.rl.warmup import WarmupSchedule, run_warmup
 
     model, meta = policy.load_policy_checkpoint(ckpt_dir, options=BuildOptions(sequence_parallel=sequence_parallel),
@@ -45,7 +46,7 @@ def _one_layout(ckpt_dir: str, sequence_parallel: bool) -> dict:
     sequences = [PolicySequence(token_ids=seq, prompt_len=PROMPT_LEN, old_logprobs=lp + 0.05 * (i % 3),
                                 advantage=1.0 - 0.5 * i, ref_logprobs=lp - 0.1)
                  for i, (seq, lp) in enumerate(zip(SEQUENCES, full.token_logprobs))]
-    settings = LossSettings(clip_low=0.2, clip_high=0.28, aggregation="token_mean", kl_coef=0.1)
+    settings = AlgorithmConfig(clip_low=0.2, clip_high=0.28, loss_aggregation="token_mean", kl_coef=0.1)
     out["update"] = policy_update_step(ddp, optimizer, sequences, vocab_size=vocab, micro_batch_size=2, pad_id=0,
                                        settings=settings)
     out["after_update"] = {n: p.detach().clone() for n, p in model.named_parameters()}

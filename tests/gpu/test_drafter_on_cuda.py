@@ -34,14 +34,14 @@ def _next_token_target_sequences():
 @pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=pytest.mark.needs("fp8"))])
 def test_drafter_micro_steps_on_cuda_lower_the_loss_on_a_fixed_pack(precision):
     from megatron_tlt.drafter.precision import resolve_precision
-    from megatron_tlt.drafter.trainer import DrafterTrainer, DrafterTrainingSettings
+    from megatron_tlt.config import DrafterConfig
+    from megatron_tlt.drafter.trainer import DrafterTrainer
 
-    settings = DrafterTrainingSettings(lr=3e-3, buffer_tokens=4096, pack_tokens=1024, hidden_weight=1.0, ce_weight=0.1,
-                                       seed=0, precision=resolve_precision(precision))
-    trainer = DrafterTrainer(LLAMA, settings)
+    settings = DrafterConfig(lr=3e-3, buffer_tokens=4096, pack_tokens=1024, hidden_weight=1.0, ce_weight=0.1)
+    trainer = DrafterTrainer(LLAMA, settings, seed=0, precision=resolve_precision(precision))
     heads, token_ids, features = _next_token_target_sequences()
     trainer.set_policy_heads(heads)
-    p = settings.precision
+    p = trainer.precision
     features = [f.to(p.device, p.dtype) for f in features]  # where and as the log-prob pass leaves them
     trainer.add_sequences(token_ids, features)
     assert trainer.packs_in_buffer() == 1

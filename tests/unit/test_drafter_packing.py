@@ -147,6 +147,7 @@ def test_fp8_packs_are_padded_to_16_rows_with_a_segment_of_their_own_and_others_
 
 
 def test_padding_rows_change_neither_the_real_rows_output_nor_the_drafter_loss(monkeypatch):
+    from megatron_tlt.config import DrafterConfig
     from megatron_tlt.drafter import trainer as trainer_module
     from megatron_tlt.drafter.packing import pad_rows
 
@@ -156,9 +157,8 @@ def test_padding_rows_change_neither_the_real_rows_output_nor_the_drafter_loss(m
     (pack,) = pack_sequences(sequences, max_tokens=128)
     torch.testing.assert_close(_run(drafter, embed, pad_rows(pack, 16))[:pack.num_tokens], _run(drafter, embed, pack),
                                atol=1e-5, rtol=1e-5)
-    settings = trainer_module.DrafterTrainingSettings(lr=1e-3, buffer_tokens=256, pack_tokens=128, hidden_weight=1.0,
-                                                      ce_weight=0.1, seed=0)
-    trainer = trainer_module.DrafterTrainer(LLAMA, settings)
+    settings = DrafterConfig(lr=1e-3, buffer_tokens=256, pack_tokens=128, hidden_weight=1.0, ce_weight=0.1)
+    trainer = trainer_module.DrafterTrainer(LLAMA, settings, seed=0)
     trainer.set_policy_heads({"model.embed_tokens.weight": embed})
     token_ids, features = [ids.tolist() for ids, _ in sequences], [f for _, f in sequences]
     plain = trainer.evaluate(token_ids, features)

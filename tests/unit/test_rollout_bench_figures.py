@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_tlt.spec.rollout_bench import (BANDIT, NO_SPECULATION, ModeRun, RolloutBenchSettings, _figures,
+from megatron_tlt.commands.bench_rollout import (BANDIT, NO_SPECULATION, ModeRun, RolloutBenchSettings, _figures,
                                              _prompt_sets, _tail_seconds, format_figures)
 
 

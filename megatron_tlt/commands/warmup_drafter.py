@@ -1,5 +1,5 @@
-"""Offline drafter warm-up (``tlt warmup-drafter``): a drafter trained before RL, so runs need not start
-from a random one.
+"""``tlt warmup-drafter`` on one rank: a drafter trained offline before RL, so runs need not start from
+a random one.
 
 On every rank, the same way the RL loop feeds its drafter:
   1. the policy (a checkpoint, or the run's initial policy) answers prompts of the dataset in its vLLM
@@ -24,19 +24,18 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_tlt import mcore
+from megatron_tlt.commands.warmup_settings import ColdStartSettings
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter import store
-from megatron_tlt.drafter.cold_start_settings import ColdStartSettings
 from megatron_tlt.drafter.precision import resolve_precision
-from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES, DrafterTrainer, DrafterTrainingSettings
+from megatron_tlt.drafter.trainer import DrafterTrainer
 from megatron_tlt.hf_io import atomic_output_dir
-from megatron_tlt.rl import policy_source
+from megatron_tlt.parallel import ParallelLayout
 from megatron_tlt.rl.actor import compute_logprobs, features_on_every_stage
 from megatron_tlt.rl.data import PromptExample
-from megatron_tlt.rl.engine_placement import engine_placement
-from megatron_tlt.rl.task import Task, engine_config_for, load_task, sampling_settings
-from megatron_tlt.rl.weight_sync import sync_policy_to_engine
-from megatron_tlt.spec.engine import RolloutEngine, SpeculativeSettings
+from megatron_tlt.rl.rank_session import RankSession
+from megatron_tlt.rl.task import Task
+from megatron_tlt.spec.engine import SpeculativeSettings
 from megatron_tlt.spec.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -61,29 +60,24 @@ def _split_prompts(task: Task, settings: ColdStartSettings) -> tuple[list[Prompt
 class _Session:
     """One rank's policy, engine and drafter trainer for the warm-up."""
 
-    def __init__(self, config: TLTConfig, task: Task, source: Path | None, settings: ColdStartSettings, workdir: Path):
-        self.config, self.task, self.settings = config, task, settings
+    def __init__(self, config: TLTConfig, policy_dir: Path | None, settings: ColdStartSettings, workdir: Path):
+        self.config, self.settings = config, settings
         self.rank = dist.get_rank()
+        self.ranks = RankSession(config, policy_dir=policy_dir, show_progress=self.rank == 0)
+        self.task: Task = self.ranks.task
+        self.model, self.placement = self.ranks.model, self.ranks.placement
         self.mp_group = mcore.model_parallel_group()
         self.mp_size = dist.get_world_size(self.mp_group)
         self.dp_rank, self.dp_size = mcore.data_parallel_rank(), mcore.data_parallel_size()
-        self.model = policy_source.load_policy(config, task.arch, source)
         d = config.drafter
-        self.trainer = DrafterTrainer(task.arch, DrafterTrainingSettings(
-            lr=d.lr, buffer_tokens=1 << 62, pack_tokens=d.pack_tokens, hidden_weight=d.hidden_weight,
-            ce_weight=d.ce_weight, seed=config.trainer.seed,
-            precision=resolve_precision(d.precision)))
+        # the warm-up keeps every feature it makes: its buffer holds them all
+        self.trainer = DrafterTrainer(self.task.arch, d, seed=config.trainer.seed,
+                                      precision=resolve_precision(d.precision), buffer_tokens=1 << 62)
         if d.init_dir is not None:
-            self.trainer.drafter.load_tensors(store.read_drafter_tensors(d.init_dir, task.arch))
-        engine_config = engine_config_for(config, task)
-        self.placement = engine_placement(engine_config.tensor_parallel_size)
-        self.engine = RolloutEngine(task.arch, engine_config, workdir=workdir, rank=self.rank,
-                                    speculative=SpeculativeSettings(num_speculative_tokens=settings.draft_tokens),
-                                    drafter=self.trainer.drafter.export_tensors())
-        stats = sync_policy_to_engine(self.model, task.arch, self.engine, keep=POLICY_HEAD_NAMES,
-                                      padded_vocab_size=mcore.unwrap(self.model).vocab_size)  # the checkpoint's
-        self.trainer.set_policy_heads(stats.kept)
-        self.engine.load_drafter(self.trainer.drafter.export_tensors())  # the policy reload replaced it
+            self.trainer.drafter.load_tensors(store.read_drafter_tensors(d.init_dir, self.task.arch))
+        self.engine = self.ranks.open_engine(
+            workdir, speculative=SpeculativeSettings(num_speculative_tokens=settings.draft_tokens), drafter=self.trainer)
+        self.ranks.sync(self.engine, self.trainer)
 
     def generate_with_features(self, prompts: list[PromptExample], seed: int):
         """This DP rank's share of ``prompts`` answered by the policy (shared out over its model-parallel
@@ -93,9 +87,8 @@ class _Session:
         spec = SpecDecodeStats()
         sequences = []
         if own:
-            result = self.engine.generate([e.prompt_ids for e in own], sampling_settings(
-                self.config, self.task.tokenizer, n=1, temperature=self.config.rollout.temperature,
-                seed=seed + self.placement.leader_rank))
+            result = self.engine.generate([e.prompt_ids for e in own], self.ranks.sampling(
+                n=1, temperature=self.config.rollout.temperature, seed=seed + self.placement.leader_rank))
             spec = result.spec if self.placement.is_leader else SpecDecodeStats()
             sequences = [list(e.prompt_ids) + responses[0] for e, responses in zip(own, result.token_ids)]
         gathered = [None] * self.mp_size
@@ -104,7 +97,7 @@ class _Session:
         result = compute_logprobs(self.model, sequences, vocab_size=self.task.arch.vocab_size,
                                   micro_batch_size=self.config.trainer.micro_batch_size,
                                   pad_id=self.task.tokenizer.pad_id, capture_hidden=True,
-                                  max_feature_rows=self.trainer.settings.buffer_tokens)
+                                  max_feature_rows=self.trainer.buffer_tokens)
         # with PP > 1 the last stage shares the features, so every stage's ranks train the drafter
         sequences, features = features_on_every_stage(self.model, sequences, result)
         # the counters below stay on the CPU on purpose: reduced over gloo, not NCCL
@@ -146,22 +139,15 @@ class _Session:
 def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: str,
                             settings: ColdStartSettings) -> dict | None:
     """Entry point of every rank; rank 0 writes ``out_dir`` and returns the before/after figures."""
-    from megatron_tlt.parallel import ParallelLayout
-
     layout = ParallelLayout(tensor_parallel_size=config.parallel.tensor_parallel_size,
                             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
                             seed=config.trainer.seed).initialize()
     session = None
     workdir = tempfile.mkdtemp(prefix="tlt-warmup-drafter-")  # the engine's model directory
     try:
-        task = load_task(config)
-        stage = mcore.stage_info()
-        task.arch.validate_layout(tensor_parallel_size=stage.tp_size, pipeline_parallel_size=stage.pp_size)
         is_reporter = dist.get_rank() == 0
-        source = (Path(policy_dir) if policy_dir is not None
-                  else policy_source.initial_policy_dir(config, task.tokenizer, task.arch, show_progress=is_reporter))
-        train_prompts, eval_prompts = _split_prompts(task, settings)
-        session = _Session(config, task, source, settings, Path(workdir))
+        session = _Session(config, Path(policy_dir) if policy_dir is not None else None, settings, Path(workdir))
+        train_prompts, eval_prompts = _split_prompts(session.task, settings)
         seed = config.trainer.seed
         eval_seqs, eval_feats, acceptance_before = session.generate_with_features(eval_prompts, seed)
         before = session.evaluate(eval_seqs, eval_feats)
@@ -169,7 +155,7 @@ def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: 
         session.trainer.add_sequences(train_seqs, train_feats)
         tokens = session.train(show_progress=is_reporter)
         after = session.evaluate(eval_seqs, eval_feats)
-        session.engine.load_drafter(session.trainer.drafter.export_tensors())
+        session.engine.load_drafter(session.trainer.export_tensors())
         _, _, acceptance_after = session.generate_with_features(eval_prompts, seed)
         figures = {
             "tokens_trained": tokens, "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
@@ -181,12 +167,13 @@ def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: 
         }
         if not is_reporter:
             return None
+        source = session.ranks.initial_source
         info = dict(figures, step=0, policy=str(source or config.model.hf_dir), made_by="tlt warmup-drafter")
         with atomic_output_dir(out_dir) as staging:
-            store.write_drafter_files(staging, task.arch, session.trainer.drafter.export_tensors(), info)
+            store.write_drafter_files(staging, session.task.arch, session.trainer.export_tensors(), info)
         return figures
     finally:
         if session is not None:
-            session.engine.close()
+            session.ranks.close()
         shutil.rmtree(workdir, ignore_errors=True)
         layout.close()

@@ -1,21 +1,25 @@
-"""Start or resume an RL run from the command line: resolve the config and run directory, make the
-cached artifacts the ranks share, then launch the ranks (``tlt train`` calls ``start_run``;
-``tlt warmup-drafter`` calls ``start_drafter_warmup``).
+"""The parent process of the commands that launch ranks: resolve the config (and the run directory),
+make the cached artifacts the ranks share, then launch the ranks. ``tlt train`` calls ``start_run``,
+``tlt warmup-drafter`` ``start_drafter_warmup``, ``tlt bench rollout`` ``start_rollout_bench``.
 
-Kept free of Megatron and vLLM imports: the parent process only prepares and launches.
+Kept free of Megatron and vLLM imports: the parent process only prepares and launches; each rank
+imports its command's module (``train.py``, ``warmup_drafter.py``, ``bench_rollout.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
+from megatron_tlt.commands.warmup_settings import ColdStartSettings
 from megatron_tlt.config import load_config, to_yaml, world_size
+from megatron_tlt.launcher import launched_rank
 from megatron_tlt.rl import run_dir as run_files
 
 
 def _train_on_rank(config, run_dir: str, resume: bool):
-    from megatron_tlt.rl.trainer import train_on_rank  # imported in the rank: Megatron, vLLM
+    from megatron_tlt.commands.train import train_on_rank  # imported in the rank: Megatron, vLLM
 
     return train_on_rank(config, run_dir, resume)
 
@@ -57,8 +61,8 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
         raise ValueError(f"torchrun started {launched} ranks but the config needs tensor x pipeline x data "
                          f"parallel = {world_size(config)}; set parallel.data_parallel_size to match")
     # Under torchrun every rank runs this function: only global rank 0 writes the run directory; the
-    # others wait for it at the barrier in train_on_rank.
-    writer = not under_torchrun or int(os.environ.get("RANK", "0")) == 0
+    # others wait for it at the barrier in commands/train.py.
+    writer = not under_torchrun or launched_rank() == 0
     if resume_dir is not None:
         run_dir = Path(resume_dir)
         if checkpoint_paths.latest_checkpoint(run_dir) is None:
@@ -83,14 +87,14 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
 
 
 def _warm_up_drafter_on_rank(config, policy_dir, out_dir: str, settings):
-    from megatron_tlt.drafter.cold_start import warm_up_drafter_on_rank  # imported in the rank
+    from megatron_tlt.commands.warmup_drafter import warm_up_drafter_on_rank  # imported in the rank
 
     return warm_up_drafter_on_rank(config, policy_dir, out_dir, settings)
 
 
 def start_drafter_warmup(config_name: str | None, overrides: list[str], *, policy: str | None, out_dir: str,
                          settings) -> dict:
-    """Warm a drafter up offline (``drafter/cold_start.py``); returns its before/after figures."""
+    """Warm a drafter up offline (``warmup_drafter.py``); returns its before/after figures."""
     from megatron_tlt.rl.checkpoint_paths import resolve_policy_dir
     from megatron_tlt.hf_io import check_output_dir
     from megatron_tlt.launcher import run_on_ranks
@@ -108,7 +112,7 @@ def start_drafter_warmup(config_name: str | None, overrides: list[str], *, polic
 
 
 def _bench_rollout_on_rank(config, policy_dir, drafter_dir: str, settings):
-    from megatron_tlt.spec.rollout_bench import bench_on_rank  # imported in the rank: Megatron, vLLM
+    from megatron_tlt.commands.bench_rollout import bench_on_rank  # imported in the rank: Megatron, vLLM
 
     return bench_on_rank(config, policy_dir, drafter_dir, settings)
 
@@ -120,9 +124,6 @@ BENCH_DRAFTER_PROMPTS, BENCH_DRAFTER_EPOCHS = 4096, 4
 
 def bench_drafter(config_name: str | None, overrides: list[str]) -> Path:
     """The benchmarks' warm-up drafter of the config's initial policy, made on first use and cached."""
-    import dataclasses
-
-    from megatron_tlt.drafter.cold_start_settings import ColdStartSettings
     from megatron_tlt.rl import tiny_default
 
     config = load_config(config_name, overrides)

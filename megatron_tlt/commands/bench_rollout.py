@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from megatron_tlt.config import TLTConfig, bandit_settings_with_depths
+from megatron_tlt.config import SpeculationConfig, TLTConfig
 
 logger = logging.getLogger(__name__)
 
@@ -80,36 +80,28 @@ def _run(engine, prompts, sampling) -> ModeRun:
 
 def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, settings: RolloutBenchSettings) -> dict:
     """One process: build both engines, run ``rounds`` x every mode, return the figures."""
-    from megatron_tlt import mcore
     from megatron_tlt.drafter import store
-    from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES
+    from megatron_tlt.drafter.tlt_drafter import FrozenDrafter
     from megatron_tlt.parallel import ParallelLayout
-    from megatron_tlt.rl import policy_source
-    from megatron_tlt.rl.task import engine_config_for, load_task, sampling_settings
-    from megatron_tlt.rl.weight_sync import sync_policy_to_engine
-    from megatron_tlt.spec.engine import RolloutEngine, SpeculativeSettings
+    from megatron_tlt.rl.rank_session import RankSession
+    from megatron_tlt.spec.engine import SpeculativeSettings
 
-    max_depth = max(settings.depths)
-    bandit = bandit_settings_with_depths(config, (0, *settings.depths))
+    bandit = dataclasses.replace(config.speculation, adaptive=True, depths=[0, *settings.depths])
+    speculation = SpeculativeSettings(num_speculative_tokens=max(settings.depths), adaptive=bandit,
+                                      seed=config.trainer.seed)
     with ParallelLayout(seed=config.trainer.seed), tempfile.TemporaryDirectory(prefix="tlt-bench-rollout-") as workdir:
-        task = load_task(config)
-        source = (Path(policy_dir) if policy_dir is not None
-                  else policy_source.initial_policy_dir(config, task.tokenizer, task.arch, show_progress=True))
-        model = policy_source.load_policy(config, task.arch, source)
-        drafter = store.read_drafter_tensors(drafter_dir, task.arch)
-        engine_config = engine_config_for(config, task)
-        plain = RolloutEngine(task.arch, engine_config, workdir=Path(workdir) / "plain", rank=0)
-        speculative = RolloutEngine(task.arch, engine_config, workdir=Path(workdir) / "spec", rank=0,
-                                    speculative=SpeculativeSettings(num_speculative_tokens=max_depth, adaptive=bandit),
-                                    drafter=drafter)
+        session = RankSession(config, policy_dir=Path(policy_dir) if policy_dir is not None else None,
+                              show_progress=True)
+        task = session.task
+        drafter = FrozenDrafter(store.read_drafter_tensors(drafter_dir, task.arch))
+        plain = session.open_engine(Path(workdir) / "plain")
+        speculative = session.open_engine(Path(workdir) / "spec", speculative=speculation, drafter=drafter)
         try:
-            padded = mcore.unwrap(model).vocab_size  # the checkpoint's vocabulary padding
-            for engine in (plain, speculative):
-                sync_policy_to_engine(model, task.arch, engine, keep=POLICY_HEAD_NAMES, padded_vocab_size=padded)
-            speculative.load_drafter(drafter)  # the policy reload replaced it
+            session.sync(plain)
+            session.sync(speculative, drafter)
             pool = [e.prompt_ids for e in task.held_out or task.dataset.examples]
             prompt_sets = _prompt_sets(pool, settings.prompts, settings.rotate_prompts)
-            greedy = sampling_settings(config, task.tokenizer, n=1, temperature=0.0, seed=None)
+            greedy = session.sampling(n=1, temperature=0.0, seed=None)
             modes = [NO_SPECULATION, *(f"K={k}" for k in settings.depths), BANDIT]
             runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
             for round_index in range(-1, settings.rounds):  # round -1: untimed warm-up
@@ -132,8 +124,7 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
                 statistics.fmean(r.seconds for r in runs[NO_SPECULATION]) / cold_bandit.seconds)
             return figures
         finally:
-            speculative.close()
-            plain.close()
+            session.close()
 
 
 def _prompt_sets(pool: list, size: int, rotate: bool) -> Iterator[list]:
@@ -178,7 +169,7 @@ def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: 
             "bandit": bandit_summary}
 
 
-def _seconds_by_bucket(runs: dict[str, list[ModeRun]], settings) -> dict[str, dict[str, float]]:
+def _seconds_by_bucket(runs: dict[str, list[ModeRun]], settings: SpeculationConfig) -> dict[str, dict[str, float]]:
     """Per mode, engine-step seconds per rollout spent at each batch-size bucket: where a mode wins."""
     from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
 

@@ -1,0 +1,201 @@
+"""TLT's drafter in the RL step on one rank: its whole life in one place.
+
+The trainer calls it at its phase boundaries and passes what one phase gives the next:
+
+  rollout    ``engine_speculation()`` says how the rank's engine speculates with it; once this rank's
+             share is done, ``wait_for_rollout_end`` trains it on the idle time until the slowest rank
+             is done (the spot trainer, preempted at once), then makes every replica the token-weighted
+             mean, so every engine gets one version, and returns what it did (``TailReport``);
+  log-prob   ``add_features`` takes the policy's fresh features of the step's sequences;
+  sync       the rank session's sync hands it the policy's new embedding and LM head
+             (``set_policy_heads``) and pushes ``export_tensors()`` into the engine;
+  save       ``save`` writes it beside the policy checkpoint, in the background.
+
+``summary_fields`` turns every rank's ``TailReport`` into the step's ``drafter/*`` fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from megatron_tlt.config import TLTConfig
+from megatron_tlt.device import compute_device
+from megatron_tlt.drafter import checkpoint_paths, checkpointer, store
+from megatron_tlt.drafter.precision import resolve_precision
+from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotReport, SpotTrainer
+from megatron_tlt.drafter.trainer import DrafterTrainer
+from megatron_tlt.model_config import PolicyArchitecture
+from megatron_tlt.spec.engine import SpeculativeSettings
+from megatron_tlt.timeline import BUSY, RankTimeline
+
+logger = logging.getLogger(__name__)
+
+# bench/spot_overhead.py on 2 CPU cores: +7.8% critical path training all idle time, none measurable at 0.25
+CPU_SPOT_DUTY_CYCLE = 0.25
+
+
+@dataclasses.dataclass
+class TailReport:
+    """What one rank's drafter did in one rollout's long tail."""
+
+    spot: SpotReport
+    stats: dict
+    """``DrafterTrainer.phase_stats()``: loss, top-1 agreement, tokens, dropped steps, buffer tokens."""
+
+
+class TLTDrafter:
+    """The drafter replica of this rank, its spot trainer and its checkpoints (built on every rank)."""
+
+    def __init__(self, config: TLTConfig, arch: PolicyArchitecture, *, run_dir: Path, rank: int, world: int,
+                 start_step: int, is_reporter: bool):
+        d = config.drafter
+        self.config, self.arch, self.run_dir = config, arch, run_dir
+        self.trainer = DrafterTrainer(arch, d, seed=config.trainer.seed, precision=resolve_precision(d.precision))
+        self.tokens_trained = 0
+        """Drafter training tokens over the whole run (kept in its checkpoints)."""
+        self.checkpointer, self.spot = None, None
+        self._load(start_step, rank=rank, world=world, is_reporter=is_reporter)
+        if d.spot_training:
+            self.checkpointer = checkpointer.AsyncDrafterCheckpointer(run_dir, arch, rank=rank, world=world,
+                                                                      keep=config.trainer.keep_checkpoints)
+            # no training while a checkpoint write still reads the drafter (it is not copied)
+            self.spot = SpotTrainer(self.trainer.micro_step, DeviceIdleProbe(compute_device().index),
+                                    may_train=lambda: not self.checkpointer.writing(),
+                                    duty_cycle=_spot_duty_cycle(d.spot_duty_cycle))
+
+    @classmethod
+    def for_run(cls, config: TLTConfig, arch: PolicyArchitecture, **kwargs) -> TLTDrafter | None:
+        """The run's drafter, or None when it neither speculates nor trains."""
+        d = config.drafter
+        if d.speculative_tokens == 0 and not d.spot_training:
+            return None
+        return cls(config, arch, **kwargs)
+
+    def _load(self, start_step: int, *, rank: int, world: int, is_reporter: bool) -> None:
+        """A resumed run continues its own drafter; a new one starts from ``drafter.init_dir`` if set."""
+        found = None
+        if start_step > 0 and self.config.drafter.spot_training:
+            found = checkpoint_paths.drafter_checkpoint_for(self.run_dir, start_step)
+            if found is None and is_reporter:
+                logger.warning("%s: no drafter checkpoint at or before step %d; the drafter starts again from "
+                               "its initial weights", self.run_dir, start_step)
+        if found is not None:
+            step, directory = found
+            self.trainer.drafter.load_tensors(store.read_drafter_tensors(directory, self.arch))
+            self.tokens_trained = int(store.read_drafter_info(directory).get("tokens_trained", 0))
+            with_adam = checkpointer.load_adam_state(self.run_dir, step, self.trainer.optimizer, rank=rank, world=world)
+            if is_reporter:
+                logger.info("drafter resumed from %s (Adam state %s)", directory, "restored" if with_adam else "fresh")
+        elif self.config.drafter.init_dir is not None:
+            self.trainer.drafter.load_tensors(store.read_drafter_tensors(self.config.drafter.init_dir, self.arch))
+
+    # ------------------------------------------------------------------ rollout
+
+    def engine_speculation(self) -> SpeculativeSettings | None:
+        """How the rank's engine speculates with this drafter (None: it does not)."""
+        k = self.config.drafter.speculative_tokens
+        if k == 0:
+            return None
+        adaptive = self.config.speculation if self.config.speculation.adaptive else None
+        return SpeculativeSettings(num_speculative_tokens=k, adaptive=adaptive, seed=self.config.trainer.seed)
+
+    def trains_in(self, step: int) -> bool:
+        """Whether the spot trainer works in (1-based) ``step``: every step, or the even or odd ones only
+        (``drafter.spot_training_steps``, for benchmarks that compare steps with and without it)."""
+        which = self.config.drafter.spot_training_steps
+        return self.spot is not None and (which == "all" or (step % 2 == 0) == (which == "even"))
+
+    def wait_for_rollout_end(self, timeline: RankTimeline) -> TailReport:
+        """Train on this rank's idle time until every rank's share is done, then average the replicas."""
+        self.trainer.reset_phase_stats()
+        spot = self.spot.wait_for_rollout_end(timeline)
+        stats = self.trainer.phase_stats()
+        with timeline.phase("sync"):  # one drafter version for every engine: the token-weighted mean
+            self.checkpointer.wait()  # a write still reading the drafter (rollout shorter than it)
+            self.tokens_trained += self.trainer.average_replicas()
+        return TailReport(spot=spot, stats=stats)
+
+    # ------------------------------------------------------------------ log-prob pass and sync
+
+    @property
+    def max_feature_rows(self) -> int:
+        """Features worth capturing in one log-prob pass: what the buffer keeps."""
+        return self.trainer.buffer_tokens
+
+    def add_features(self, token_ids: list[list[int]], features: list[torch.Tensor]) -> None:
+        if features:
+            self.trainer.add_sequences(token_ids, features)
+
+    @property
+    def wants_policy_heads(self) -> bool:
+        """Whether a sync should keep the policy's embedding and LM head for it: only a drafter that
+        trains uses them (it drafts in the engine with the engine's own)."""
+        return self.spot is not None
+
+    def set_policy_heads(self, hf_tensors: dict[str, torch.Tensor]) -> None:
+        self.trainer.set_policy_heads(hf_tensors)
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        return self.trainer.drafter.export_tensors()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, step: int) -> None:
+        if self.checkpointer is not None:  # written in the background
+            self.checkpointer.save(step, self.trainer.drafter, self.trainer.optimizer,
+                                   info={"tokens_trained": self.tokens_trained,
+                                         "policy": self.config.model.hf_dir or "tiny default"})
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # the last drafter checkpoint reaches the disk
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenDrafter:
+    """A drafter that does not train (a benchmark's, or a baseline's): pushed as it is after every sync."""
+
+    tensors: dict[str, torch.Tensor]
+    wants_policy_heads: bool = False
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+
+def _spot_duty_cycle(configured: float | None) -> float:
+    """drafter.spot_duty_cycle, or its default: a GPU rank trains on its own device, CPU ranks share a memory bus."""
+    if configured is not None:
+        return configured
+    return 1.0 if torch.cuda.is_available() else CPU_SPOT_DUTY_CYCLE
+
+
+def summary_fields(reports: list[TailReport | None], timelines: list[RankTimeline]) -> dict:
+    """The step's ``drafter/*`` summary fields from every rank's tail report (none when it did not train)."""
+    if not reports or any(r is None for r in reports):
+        return {}
+    slowest_done = max(max(s.end for s in t.spans if s.phase == "rollout" and s.state == BUSY) for t in timelines)
+    stats = [r.stats for r in reports]
+    trained = [s["tokens"] for s in stats]
+    losses = [(s["loss"], s["tokens"]) for s in stats if s["tokens"] > 0]
+    agreements = [(s["top1_agreement"], s["tokens"]) for s in stats if s["tokens"] > 0]
+    return {
+        "drafter/tokens_trained": trained,
+        "drafter/loss": _weighted_mean(losses),
+        "drafter/top1_agreement": _weighted_mean(agreements),
+        "drafter/training_seconds": [r.spot.training_seconds for r in reports],
+        "drafter/micro_steps": [r.spot.micro_steps for r in reports],
+        "drafter/dropped_micro_steps": [s["dropped_steps"] for s in stats],
+        "drafter/buffer_tokens": [s["buffer_tokens"] for s in stats],  # every pipeline stage's ranks have features
+        # from the slowest rank finishing its share to this rank leaving rollout: the preemption latency
+        "drafter/release_latency_seconds": [r.spot.released_at - slowest_done for r in reports],
+        "drafter/failed": any(r.spot.failed for r in reports),
+    }
+
+
+def _weighted_mean(pairs: list[tuple[float, int]]) -> float:
+    return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else float("nan")
+

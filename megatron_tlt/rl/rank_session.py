@@ -1,0 +1,96 @@
+"""One rank's task, policy and rollout engines, set up the same way by every command that rolls out.
+
+``tlt train``, ``tlt warmup-drafter`` and ``tlt bench rollout`` all need, on every rank: the task
+(tokenizer, architecture, prompts), the policy loaded from a checkpoint, this rank's engine placement,
+engines built from the run's engine config, and a sync that streams the policy into an engine, keeps
+the policy's embedding and LM head for a drafter that trains, and pushes the drafter back afterwards
+(a policy reload replaces the engine's drafter).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_tlt import mcore
+from megatron_tlt.config import TLTConfig
+from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES
+from megatron_tlt.rl import policy_source
+from megatron_tlt.rl.engine_placement import engine_placement
+from megatron_tlt.rl.task import engine_config_for, load_task, sampling_settings
+from megatron_tlt.rl.weight_sync import SyncStats, sync_policy_to_engine
+from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings, SpeculativeSettings
+
+
+class EngineDrafter(Protocol):
+    """What a sync needs of a drafter: ``TLTDrafter``, ``DrafterTrainer`` and ``FrozenDrafter`` are ones."""
+
+    wants_policy_heads: bool
+
+    def export_tensors(self) -> dict[str, torch.Tensor]: ...
+
+
+class RankSession:
+    """Built collectively on every rank once the parallel layout is initialised.
+
+    The policy comes from ``resume_dir`` (a run's own checkpoint) if given, else from ``policy_dir``, else
+    from the run's initial policy (the tiny default's cached warm-up, or ``model.hf_dir``), which is
+    kept in ``initial_source``: the reference policy and the warm-up's optimizer state start from it.
+    """
+
+    def __init__(self, config: TLTConfig, *, policy_dir: Path | None = None, resume_dir: Path | None = None,
+                 ddp: bool = False, show_progress: bool = False):
+        self.config = config
+        self.task = task = load_task(config)
+        stage = mcore.stage_info()
+        task.arch.validate_layout(tensor_parallel_size=stage.tp_size, pipeline_parallel_size=stage.pp_size)
+        self.initial_source = (Path(policy_dir) if policy_dir is not None else policy_source.initial_policy_dir(
+            config, task.tokenizer, task.arch, show_progress=show_progress))
+        model = policy_source.load_policy(config, task.arch, resume_dir or self.initial_source)
+        self.model = mcore.wrap_ddp(model, distributed_optimizer=config.optimizer.distributed) if ddp else model
+        # The checkpoint's vocabulary padding, which a policy saved at another TP keeps (e.g. 512 rows
+        # from TP=2 loaded at TP=1, where this layout alone would pad to 384): the sync's shapes follow it.
+        self.padded_vocab = mcore.unwrap(self.model).vocab_size
+        self.engine_config = engine_config_for(config, task)
+        self.placement = engine_placement(self.engine_config.tensor_parallel_size)
+        self.engines: list[RolloutEngine] = []
+
+    @property
+    def arch(self):
+        return self.task.arch
+
+    @property
+    def tokenizer(self):
+        return self.task.tokenizer
+
+    def open_engine(self, workdir: Path, *, speculative: SpeculativeSettings | None = None,
+                    drafter: EngineDrafter | None = None) -> RolloutEngine:
+        """A vLLM engine of this rank's placement (dummy weights until the first ``sync``)."""
+        speculation = {}
+        if speculative is not None:
+            speculation = dict(speculative=speculative, drafter=drafter.export_tensors())
+        engine = RolloutEngine(self.arch, self.engine_config, workdir=workdir, rank=dist.get_rank(), **speculation)
+        self.engines.append(engine)
+        return engine
+
+    def sync(self, engine: RolloutEngine, drafter: EngineDrafter | None = None) -> SyncStats:
+        """Stream the policy into ``engine`` (collective); hand ``drafter`` the policy's heads if it trains,
+        and push it into a speculating engine after the reload."""
+        keep = POLICY_HEAD_NAMES if drafter is not None and drafter.wants_policy_heads else frozenset()
+        stats = sync_policy_to_engine(self.model, self.arch, engine, padded_vocab_size=self.padded_vocab, keep=keep)
+        if keep:  # the drafter trains with the policy's current embedding and LM head
+            drafter.set_policy_heads(stats.kept)
+        if drafter is not None and engine.speculative is not None:  # the reload must not lose the drafter
+            engine.load_drafter(drafter.export_tensors())
+        return stats
+
+    def sampling(self, *, n: int, temperature: float, seed: int | None) -> SamplingSettings:
+        return sampling_settings(self.config, self.tokenizer, n=n, temperature=temperature, seed=seed)
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+        self.engines.clear()

@@ -1,0 +1,90 @@
+"""One RL step's summary record (a line of ``summary.json``), from what every rank reports.
+
+Each rank sends a ``RankStepReport`` to rank 0 at the end of the step; ``step_record`` reduces them:
+rewards and lengths over the samples each engine's leader reports (none counts twice), phase times as
+the slowest rank's, the rollout's idle shares per rank, the engines' speculation figures and the
+drafter's (``drafter/tlt_drafter.summary_fields``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from megatron_tlt.drafter.tlt_drafter import TailReport, summary_fields
+from megatron_tlt.spec.metrics import SpecDecodeStats
+from megatron_tlt.timeline import BUSY, PHASES, TRAINING, RankTimeline, rollout_idle_seconds, rollout_idle_shares
+
+
+@dataclasses.dataclass
+class RankStepReport:
+    """What one rank tells rank 0 about its step (travels as a plain object)."""
+
+    timeline: RankTimeline
+    rewards: list[float]
+    correct: list[bool]
+    lengths: list[int]
+    truncated: list[bool]
+    dropped_groups: int
+    spec: SpecDecodeStats | None
+    """The engine's speculation counters, from its leader only."""
+    step_depths: list[int]
+    bandit: dict | None
+    tail: TailReport | None
+    """What the drafter did in the rollout's tail (None: it did not train this step)."""
+    hidden_tokens: int
+    """Drafter feature rows the log-prob pass captured, counted once per replica."""
+
+
+def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb_s: float,
+                step_seconds: float) -> dict:
+    rewards = [r for p in per_rank for r in p.rewards]
+    lengths = [n for p in per_rank for n in p.lengths]
+    timelines = [p.timeline for p in per_rank]
+    shares = rollout_idle_shares(timelines)
+    phase = {name: max(t.seconds(name) for t in timelines) for name in PHASES}
+    record = {
+        "step": step,
+        "reward_mean": statistics.fmean(rewards),
+        "accuracy": statistics.fmean(float(c) for p in per_rank for c in p.correct),
+        "response_length_mean": statistics.fmean(lengths),
+        "response_length_max": max(lengths),
+        "truncated_share": statistics.fmean(float(c) for p in per_rank for c in p.truncated),
+        "num_samples": len(rewards),
+        "equal_reward_groups_dropped": sum(p.dropped_groups for p in per_rank),
+        "rollout_seconds": phase["rollout"],
+        "reward_seconds": phase["reward"],
+        "logprob_seconds": phase["logprob"],
+        "update_seconds": phase["update"],
+        "sync_seconds": phase["sync"],
+        "step_seconds": step_seconds,
+        "rollout_busy_seconds": [t.seconds("rollout", BUSY) for t in timelines],
+        "rollout_idle_seconds": [rollout_idle_seconds(t) for t in timelines],
+        "rollout_training_seconds": [t.seconds("rollout", TRAINING) for t in timelines],
+        "rollout_idle_share": shares,
+        "rollout_idle_share_mean": statistics.fmean(shares),
+        "sync_gb_per_s": sync_gb_s,
+        "hidden_state_tokens_captured": sum(p.hidden_tokens for p in per_rank),
+    }
+    record.update({f"update/{k}": v for k, v in update.items()})
+    record.update(_speculation_fields(per_rank))
+    record.update(summary_fields([p.tail for p in per_rank], timelines))
+    return record
+
+
+def _speculation_fields(per_rank: list[RankStepReport]) -> dict:
+    stats = [p.spec for p in per_rank if p.spec is not None]
+    drafts = sum(s.num_drafts for s in stats)
+    if drafts == 0:
+        return {}
+    accepted = sum(s.num_accepted_tokens for s in stats)
+    record = {"spec/mean_acceptance_length": 1.0 + accepted / drafts,
+              "spec/acceptance_rate": accepted / max(1, sum(s.num_draft_tokens for s in stats))}
+    depths = [d for p in per_rank for d in p.step_depths]
+    if depths:  # BEG-MAB: how often each depth ran, and each engine's best depth per batch-size bucket
+        engines = [p for p in per_rank if p.bandit is not None]  # their leaders' reports
+        record["spec/engine_steps_by_depth"] = {str(k): depths.count(k) for k in sorted(set(depths))}
+        record["spec/engine_steps"] = [len(p.step_depths) for p in engines]
+        record["spec/best_depth_by_bucket"] = [{bucket: s["best"] for bucket, s in p.bandit.items()}
+                                               for p in engines]
+    return record

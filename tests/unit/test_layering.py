@@ -1,0 +1,99 @@
+"""The package's layering: cli -> commands -> rl -> drafter -> spec -> the shared modules of megatron_tlt/.
+
+A module imports only from its own layer or the ones below, counting imports inside functions too
+(a lazy import runs back up the layering just the same), and no two modules import each other, directly
+or round a longer circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import megatron_tlt
+
+PACKAGE_DIR = Path(megatron_tlt.__file__).parent
+LAYERS = {"shared": 0, "spec": 1, "drafter": 2, "rl": 3, "commands": 4, "cli": 5}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS and (PACKAGE_DIR / parts[1]).is_dir()):
+        return parts[1] if parts[1] in LAYERS else "shared"
+    return "cli" if module == "megatron_tlt.cli" else "shared"
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports (anywhere in its body)."""
+    modules = {_module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megatron_tlt"):
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("megatron_tlt")]
+            else:
+                continue
+            found.update(t for t in targets if t in modules and t != name)
+        graph[name] = found
+    return graph
+
+
+def test_no_module_imports_from_a_higher_layer():
+    upward = [f"{module} ({_layer(module)}) imports {target} ({_layer(target)})"
+              for module, targets in _imports().items() for target in sorted(targets)
+              if LAYERS[_layer(target)] > LAYERS[_layer(module)]]
+    assert not upward, "imports that run back up the layering:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles():
+    graph = _imports()
+    cycles, state = [], {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if target == "megatron_tlt":
+                continue
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_layers_are_what_the_readme_says():
+    assert _layer("megatron_tlt.commands.start") == "commands"
+    assert _layer("megatron_tlt.rl.trainer") == "rl"
+    assert _layer("megatron_tlt.config") == "shared"
+    assert _layer("megatron_tlt.cli") == "cli"
+
+
+def _readme_layout_block() -> str:
+    readme = (PACKAGE_DIR.parent / "README.md").read_text()
+    start = readme.index("megatron_tlt/         the library")
+    return readme[start:readme.index("checkpoints_tools/", start)]
+
+
+def test_readme_layout_names_every_module_and_only_modules_that_exist():
+    import re
+
+    block = _readme_layout_block()
+    modules = {str(p.relative_to(PACKAGE_DIR)) for p in PACKAGE_DIR.rglob("*.py") if p.name != "__init__.py"}
+    named = set(re.findall(r"(?<![\w/])((?:commands|rl|drafter|spec)/\w+\.py|\w+\.py)", block))
+    # a bare name on a line of one package (e.g. "adaptive_scheduler.py" beside spec/engine.py) is that package's
+    resolved = {n if n in modules or "/" in n else next((m for m in modules if m.endswith("/" + n)), n) for n in named}
+    assert sorted(modules - resolved) == [], "modules README's layout does not mention"
+    assert sorted(resolved - modules) == [], "files README's layout names that do not exist"
