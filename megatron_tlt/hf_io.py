@@ -3,22 +3,22 @@
 Reading is lazy (tensors are memory-mapped one at a time) and validated up front: every shard the
 index names must exist and open, and every tensor the architecture needs must be present, so a
 converter fails before it writes anything. Writing goes to a staging directory that is renamed
-into place at the end (``atomic_output_dir``), so a failure never leaves a half-written model.
+into place at the end (``atomic_files.atomic_dir``), so a failure never leaves a half-written model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import SafetensorError, safe_open
+
+from megatron_tlt.atomic_files import atomic_dir
 
 if TYPE_CHECKING:
     import torch
@@ -130,16 +130,6 @@ def check_output_dir(out_dir: str | Path) -> Path:
 
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: str | Path) -> Iterator[Path]:
-    """Yield a staging directory that becomes ``out_dir`` only if the block succeeds."""
-    out = check_output_dir(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
+    """Old name of ``atomic_files.atomic_dir(check_output_dir(out_dir))``, kept until its callers use that."""
+    with atomic_dir(check_output_dir(out_dir)) as staging:
         yield staging
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)

@@ -7,9 +7,9 @@ Saving costs the critical path nothing but handing the tensors to a background t
 (rank 0 the weights, every rank its Adam file) while the log-prob, update and sync phases run. No copy is
 taken: the drafter only changes in the next rollout's idle time, and the spot trainer does not train
 while a write is in flight (``writing()``). Weights go to a staging directory that is renamed when
-complete, an Adam file to a temporary name that is renamed, so a run killed mid-write leaves no partial
-checkpoint under a final name. A save first waits for the previous write. A failed write is logged and
-the run goes on (the previous checkpoint stays).
+complete, an Adam file to a staging name that is renamed (``atomic_files``), so a run killed mid-write
+leaves no partial checkpoint under a final name. A save first waits for the previous write. A failed
+write is logged and the run goes on (the previous checkpoint stays).
 
 Not saved: the feature buffer. A resumed run trains the drafter again from its next log-prob pass.
 """
@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from megatron_tlt import atomic_files
 from megatron_tlt.drafter import store
 from megatron_tlt.drafter.checkpoint_paths import DRAFTER_DIR, list_drafter_checkpoints
 from megatron_tlt.model_config import PolicyArchitecture
@@ -95,9 +94,8 @@ class AsyncDrafterCheckpointer:
             tensors = drafter.export_tensors() if drafter is not None else None
             adam_path = _adam_file(self.run_dir, step, self.rank, self.world)
             adam_path.parent.mkdir(parents=True, exist_ok=True)
-            partial = adam_path.with_name(adam_path.name + ".partial")
-            torch.save(adam, partial)
-            os.replace(partial, adam_path)
+            with atomic_files.atomic_file(adam_path) as partial:
+                torch.save(adam, partial)
             if tensors is not None:
                 self._write_weights(step, tensors, info)
             self._prune()
@@ -110,23 +108,15 @@ class AsyncDrafterCheckpointer:
 
     def _write_weights(self, step: int, tensors: dict, info: dict) -> None:
         final = self.run_dir / DRAFTER_DIR / _step_name(step)
-        staging = final.with_name(f".{final.name}.partial")
-        shutil.rmtree(staging, ignore_errors=True)  # left by a run killed mid-write
-        staging.mkdir(parents=True)
-        store.write_drafter_files(staging, self.arch, tensors, info)
-        if final.exists():  # a resumed run saving the same step again
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        # Replace: a resumed run saving the same step again. Fixed staging name: a killed write's is cleared.
+        with atomic_files.atomic_dir(final, if_exists="replace", unique=False) as staging:
+            store.write_drafter_files(staging, self.arch, tensors, info)
 
     def _prune(self) -> None:
-        if self.keep <= 0:
-            return
-        mine = sorted((self.run_dir / DRAFTER_DIR / ADAM_SUBDIR).glob(f"step_*_rank{self.rank}of{self.world}.pt"))
-        for old in mine[:-self.keep]:
-            old.unlink(missing_ok=True)
+        mine = (self.run_dir / DRAFTER_DIR / ADAM_SUBDIR).glob(f"step_*_rank{self.rank}of{self.world}.pt")
+        atomic_files.prune_oldest(mine, self.keep)
         if self.rank == 0:
-            for _, old in list_drafter_checkpoints(self.run_dir)[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            atomic_files.prune_oldest((path for _, path in list_drafter_checkpoints(self.run_dir)), self.keep)
 
 
 def load_adam_state(run_dir: Path, step: int, optimizer: torch.optim.Optimizer, *, rank: int, world: int) -> bool:

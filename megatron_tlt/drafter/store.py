@@ -5,7 +5,8 @@
     tlt_drafter.json     what megatron-tlt knows about it: RL step, tokens trained, where it came from
 
 The same directory is a drafter checkpoint of a run, the output of ``tlt warmup-drafter`` and what
-``drafter.init_dir`` starts a run from. Directories are written to a staging name and renamed.
+``drafter.init_dir`` starts a run from. Its writers call ``write_drafter_files`` on a staging directory
+that is renamed when complete (``atomic_files.atomic_dir``).
 """
 
 from __future__ import annotations

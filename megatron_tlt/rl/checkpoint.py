@@ -6,22 +6,22 @@
         trainer/rank0.pt         per rank: prompt sampler position and RNG states
         trainer.json             the step and layout; written last
 
-Everything is written into ``.step_000010.tmp`` and renamed into place by rank 0 after every rank
-has finished, so a directory named ``step_N`` is always complete; older ones are then pruned.
+Every rank writes into ``.step_000010.partial`` (``atomic_files.staging_path``); rank 0 renames it into
+place after every rank has finished, so a directory named ``step_N`` is always complete; older ones are
+then pruned (``atomic_files.prune_oldest``).
 """
 
 from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_tlt import mcore, policy
+from megatron_tlt import atomic_files, mcore, policy
 from megatron_tlt.hf_io import CheckpointError
 from megatron_tlt.rl.checkpoint_paths import OPTIMIZER_SUBDIR, POLICY_SUBDIR, TRAINER_META, list_checkpoints, step_dir
 
@@ -46,10 +46,10 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, meta: policy.
     """Collective over all ranks; returns the final directory. ``rank_state``: more of this rank's own
     state to keep beside its sampler position and RNG (e.g. its engine's bandit)."""
     final = step_dir(run_dir, step)
-    staging = final.with_name(f".{final.name}.tmp")
+    staging = atomic_files.staging_path(final)  # the same on every rank: they all write into it
     rank = dist.get_rank()
-    if rank == 0 and staging.exists():  # left by a run killed mid-save
-        shutil.rmtree(staging)
+    if rank == 0:
+        atomic_files.remove(staging)  # left by a run killed mid-save
     dist.barrier()
     policy.save_policy_checkpoint(model, staging / POLICY_SUBDIR, meta)
     stage = mcore.stage_info()
@@ -61,11 +61,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, meta: policy.
         layout = {"tensor_parallel_size": stage.tp_size, "pipeline_parallel_size": stage.pp_size,
                   "world_size": dist.get_world_size()}
         (staging / TRAINER_META).write_text(json.dumps({"step": step, "layout": layout}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
-        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        atomic_files.publish(staging, final, if_exists="replace")  # a resumed run saving the same step again
+        atomic_files.prune_oldest(list_checkpoints(run_dir), keep)
     dist.barrier()
     return final
 

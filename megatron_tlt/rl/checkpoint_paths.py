@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_tlt.atomic_files import step_of
 from megatron_tlt.hf_io import CheckpointError
 from megatron_tlt.policy_meta import META_FILE
 
@@ -29,7 +30,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     complete = [p for p in root.glob("step_*") if (p / TRAINER_META).is_file()]
-    return sorted(complete, key=lambda p: int(p.name.split("_")[1]))
+    return sorted(complete, key=step_of)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

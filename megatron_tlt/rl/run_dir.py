@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
+
+from megatron_tlt.atomic_files import write_text_atomic
 
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
@@ -37,13 +38,12 @@ def prepare_new_run_dir(run_dir: Path, config_yaml: str) -> None:
         raise RunDirError(f"run directory {run_dir} already holds a run: continue it with "
                           f"`tlt train --resume {run_dir}`, or choose another trainer.run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / CONFIG_FILE, config_yaml)
+    write_text_atomic(run_dir / CONFIG_FILE, config_yaml)
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Old name of ``atomic_files.write_text_atomic``, kept until rl/trainer.py and rl/run.py call that."""
+    write_text_atomic(path, text)
 
 
 def _json_safe(value):
@@ -72,7 +72,7 @@ class RunReporter:
     def log_step(self, record: dict, timeline_records: list[dict]) -> None:
         step = record["step"]
         self.records.append(_json_safe(record))
-        write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(self.records, indent=1))
+        write_text_atomic(self.run_dir / SUMMARY_FILE, json.dumps(self.records, indent=1))
         with open(self.run_dir / TIMELINE_FILE, "a") as out:
             for span in timeline_records:
                 out.write(json.dumps(span) + "\n")
@@ -111,4 +111,4 @@ def truncate_timeline(run_dir: Path, last_step: int) -> None:
     path = run_dir / TIMELINE_FILE
     if path.is_file():
         kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-        write_atomic(path, "".join(line + "\n" for line in kept))
+        write_text_atomic(path, "".join(line + "\n" for line in kept))

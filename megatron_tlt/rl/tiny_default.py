@@ -17,10 +17,9 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import uuid
 from pathlib import Path
 
+from megatron_tlt import atomic_files
 from megatron_tlt.model_config import PolicyArchitecture, architecture_from_dict
 from megatron_tlt.rl import synthetic_task
 from megatron_tlt.rl.data import PromptDataset, PromptExample, DataReport
@@ -63,29 +62,18 @@ def cache_key(**parts) -> str:
 
 
 def publish_dir(staging: Path, final: Path) -> Path:
-    """Atomically move a finished ``staging`` directory to ``final``; if another process got there
-    first, keep theirs (same key, same content) and drop ours."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        staging.rename(final)
-    except OSError:
-        if not final.is_dir():
-            raise
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
-
-
-def staging_dir_for(final: Path) -> Path:
-    return final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
+    """Old name of ``atomic_files.publish(staging, final, if_exists="keep")``, kept until
+    rl/policy_source.py calls that: if another process made the cache entry first, keep theirs."""
+    return atomic_files.publish(staging, final, if_exists="keep")
 
 
 def ensure_tokenizer(root: Path) -> Path:
     """The task tokenizer's directory, trained on first use (about a tenth of a second)."""
     final = root / f"tokenizer-{cache_key(kind='tokenizer', seed=TOKENIZER_SEED)}"
     if not (final / "tokenizer.model").is_file():
-        staging = staging_dir_for(final)
-        synthetic_task.train_task_tokenizer(staging, seed=TOKENIZER_SEED)
-        publish_dir(staging, final)
+        # Another process may make the same entry meanwhile: same key, same content; the first one stays.
+        with atomic_files.atomic_dir(final, if_exists="keep") as staging:
+            synthetic_task.train_task_tokenizer(staging, seed=TOKENIZER_SEED)
     return final
 
 

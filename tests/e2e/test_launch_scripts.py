@@ -125,7 +125,7 @@ def test_slurm_dry_run_resumes_a_run_dir_that_holds_a_complete_checkpoint(tmp_pa
 
 def test_slurm_dry_run_would_set_aside_a_run_that_never_checkpointed(tmp_path):
     run_dir = tmp_path / "run"
-    (run_dir / CHECKPOINTS_DIR / ".step_000010.tmp").mkdir(parents=True)  # a save that never completed
+    (run_dir / CHECKPOINTS_DIR / ".step_000010.partial").mkdir(parents=True)  # a save that never completed
     (run_dir / "config.yaml").write_text("{}\n")
     result = _run([SLURM_SCRIPT, "--dry-run"], _clean_env(TLT_RUN_ROOT=str(tmp_path)))
     assert result.returncode == 0, result.stdout + result.stderr
