@@ -5,8 +5,13 @@
 Defaults live here, in Python, next to a docstring per field; YAML files under ``launch/configs``
 hold values only. Parsing, merging and type conversion are OmegaConf's (structured configs); this
 module adds what users need on top: an unknown key is an error that lists the nearest valid keys,
-cross-field checks sit in one side-effect-free ``validate``, and the resolved tree is written to
-the run directory.
+every section checks its own values when it is built (its ``__post_init__``, so a section made in code
+by ``dataclasses.replace`` is checked too) and ``TLTConfig`` the checks across sections, and the
+resolved tree is written to the run directory.
+
+The bottom layer: this module imports nothing of ``megatron_tlt.rl``, ``.spec`` or ``.drafter``; they
+import it. Its choices (``ADVANTAGES``, ``DRAFTER_PRECISIONS``) live here and the components check
+their registries against them.
 """
 
 from __future__ import annotations
@@ -20,15 +25,31 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from megatron_tlt.spec.engine_config import RolloutEngineConfig
+from megatron_tlt import layout_rules
+from megatron_tlt.build_options import ATTENTIONS, RECOMPUTES, BuildOptions
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
 # drafter.precision's choices; drafter/precision.py says what each means (it imports torch, so they live here)
 DRAFTER_PRECISIONS = ("auto", "fp32", "bf16", "fp8")
+# algorithm.advantage's choices: the estimators rl/advantages.py registers (it refuses a name not listed here)
+ADVANTAGES = ("grpo", "rloo")
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be loaded or does not make sense; the message says how to fix it."""
+
+
+def _require_at_least_one(section: str, **values: int) -> None:
+    """Counts and sizes of which zero would leave nothing to run."""
+    for name, value in values.items():
+        if value < 1:
+            raise ConfigError(f"{section}.{name} must be >= 1, got {value}")
+
+
+def _require_divisible(key: str, value: int, parallel_key: str, parallel: int) -> None:
+    """A total over all data-parallel ranks must split evenly, or ranks would disagree on their share."""
+    if value % parallel:
+        raise ConfigError(f"{key} {value} is not divisible by {parallel_key} {parallel}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -36,7 +57,7 @@ class ParallelConfig:
     """How the policy is split over ranks; world size = tp x pp x dp."""
 
     tensor_parallel_size: int = 1
-    """Megatron tensor parallelism (must divide the attention and KV heads)."""
+    """Megatron tensor parallelism (must divide the attention heads, the KV heads and intermediate_size)."""
     pipeline_parallel_size: int = 1
     """Megatron pipeline parallelism (must divide the layers)."""
     data_parallel_size: int = 2
@@ -44,6 +65,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (needs tensor_parallel_size > 1): norms, residuals and dropout hold
     s / TP tokens per rank, dividing most activation memory by TP."""
+
+    def __post_init__(self) -> None:
+        _require_at_least_one("parallel", tensor_parallel_size=self.tensor_parallel_size,
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              data_parallel_size=self.data_parallel_size)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -57,6 +83,15 @@ class ModelConfig:
     attention: str = "sdpa"
     """Core attention: sdpa (torch's scaled_dot_product_attention: flash / memory-efficient kernels, no
     [s, s] scores kept), local (Megatron's DotProductAttention, keeps them), te (Transformer Engine's, GPU)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got '{self.dtype}'")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"model.attention must be one of {', '.join(ATTENTIONS)}, got '{self.attention}'")
+        if self.attention == "te" and importlib.util.find_spec("transformer_engine") is None:
+            raise ConfigError("model.attention=te needs Transformer Engine, which is not installed here "
+                              "(launch/install_gpu.sh installs it where it builds); use model.attention=sdpa")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -95,6 +130,36 @@ class WarmupConfig:
     continue_optimizer: bool = True
     """RL continues the warm-up's Adam state (its second moments) instead of a fresh Adam."""
 
+    def __post_init__(self) -> None:
+        _require_at_least_one("warmup", sequences_per_step=self.sequences_per_step,
+                              micro_batch_size=self.micro_batch_size)
+        if not 0.0 <= self.other_answer_format_share <= 1.0:
+            raise ConfigError(f"warmup.other_answer_format_share must be in [0, 1], got "
+                              f"{self.other_answer_format_share}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutEngineConfig:
+    """How each rank's vLLM engine is built (``spec/engine.py`` builds it)."""
+
+    max_model_len: int | None = None
+    """Longest prompt + response, in tokens (default: the model's positions, at most 4096)."""
+    dtype: str = "float32"
+    """Weights and activations in the engine (match the policy's for exact greedy agreement)."""
+    kv_cache_gib: float = 1.0
+    """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU see gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.4
+    """Share of GPU memory the colocated engine may take; the rest stays for Megatron."""
+    enforce_eager: bool = True
+    """Skip graph compilation (CPU start-up ~11 s instead of ~29 s)."""
+    seed: int = 0
+    """Engine seed; per-request seeds make sampling reproducible regardless."""
+    max_num_seqs: int = 256
+    """Most sequences decoded together."""
+    tensor_parallel_size: int | None = None
+    """Ranks that share one engine (vLLM tensor parallelism over consecutive ranks); None: the policy's
+    tensor_parallel_size. Must divide it. 1 gives every rank a whole engine of its own."""
+
 
 @dataclasses.dataclass(kw_only=True)
 class RolloutConfig:
@@ -107,6 +172,13 @@ class RolloutConfig:
     max_response_tokens: int = 192
     engine: RolloutEngineConfig = dataclasses.field(default_factory=RolloutEngineConfig)
     """The colocated vLLM engine of each rank."""
+
+    def __post_init__(self) -> None:
+        _require_at_least_one("rollout", samples_per_prompt=self.samples_per_prompt,
+                              max_response_tokens=self.max_response_tokens)
+        if not 0.0 < self.top_p <= 1.0 or self.temperature < 0.0:
+            raise ConfigError(f"rollout.top_p must be in (0, 1] and temperature >= 0, got {self.top_p}, "
+                              f"{self.temperature}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -125,6 +197,16 @@ class AlgorithmConfig:
     """Weight of the KL penalty to a frozen reference policy (0 disables the reference)."""
     filter_equal_reward_groups: bool = False
     """Drop prompt groups whose samples all got the same reward (no learning signal)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
+            raise ConfigError(f"algorithm.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, "
+                              f"{self.clip_high}")
+        if self.advantage not in ADVANTAGES:
+            raise ConfigError(f"algorithm.advantage must be one of {', '.join(ADVANTAGES)}, got '{self.advantage}'")
+        if self.loss_aggregation not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+            raise ConfigError(f"algorithm.loss_aggregation must be token_mean, seq_mean_token_mean or "
+                              f"seq_mean_token_sum, got '{self.loss_aggregation}'")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -145,6 +227,14 @@ class OptimizerConfig:
     distributed: bool = False
     """Megatron's distributed optimizer: fp32 master weights and Adam moments sharded over data-parallel
     ranks (ZeRO-1); checkpoints then hold one optimizer file per DP rank, so resume keeps the DP size."""
+
+    def __post_init__(self) -> None:
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ConfigError(f"optimizer.lr_decay_style must be constant, linear or cosine, got "
+                              f"'{self.lr_decay_style}'")
+        if self.lr_warmup_steps < 0 or not 0.0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"optimizer.lr_warmup_steps must be >= 0 and 0 <= min_lr <= lr, got "
+                              f"{self.lr_warmup_steps}, {self.min_lr}, {self.lr}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -175,10 +265,28 @@ class DrafterConfig:
     init_dir: str | None = None
     """Start from this EAGLE drafter directory (e.g. made by ``tlt warmup-drafter``) instead of random weights."""
 
+    def __post_init__(self) -> None:
+        if self.speculative_tokens < 0 or self.buffer_tokens < 1 or self.pack_tokens < 1:
+            raise ConfigError(f"drafter.speculative_tokens must be >= 0 and buffer_tokens, pack_tokens >= 1, got "
+                              f"{self.speculative_tokens}, {self.buffer_tokens}, {self.pack_tokens}")
+        if self.spot_duty_cycle is not None and not 0.0 < self.spot_duty_cycle <= 1.0:
+            raise ConfigError(f"drafter.spot_duty_cycle must be in (0, 1], got {self.spot_duty_cycle}")
+        if self.spot_training_steps not in ("all", "even", "odd"):
+            raise ConfigError(f"drafter.spot_training_steps must be all, even or odd, got "
+                              f"'{self.spot_training_steps}'")
+        if self.precision not in DRAFTER_PRECISIONS:
+            raise ConfigError(f"drafter.precision must be {', '.join(DRAFTER_PRECISIONS)}, got '{self.precision}'")
+        if self.init_dir is not None and not (Path(self.init_dir).expanduser() / "model.safetensors").is_file():
+            raise ConfigError(f"drafter.init_dir {self.init_dir}: no model.safetensors there (expected an EAGLE "
+                              "drafter directory, e.g. from `tlt warmup-drafter`)")
+
 
 @dataclasses.dataclass(kw_only=True)
 class SpeculationConfig:
-    """BEG-MAB: each rollout engine picks the speculation depth of every step from its live batch size."""
+    """BEG-MAB: each rollout engine picks the speculation depth of every step from its live batch size.
+
+    The bandit (``spec/bandit.py``) takes this section as its settings; its own values are checked here,
+    whether BEG-MAB is on or not, and the deepest arm against the engine's depth by ``arms``."""
 
     adaptive: bool = False
     """Let the bandit choose the depth per engine step (needs drafter.speculative_tokens > 0, the most it may pick)."""
@@ -199,6 +307,64 @@ class SpeculationConfig:
     max_speculative_batch: int | None = None
     """Batches above this never speculate and get no speculative CUDA graphs (TLT uses 32 on H100s);
     None: the bandit decides at every batch size (on CPU speculation still paid at batch 64)."""
+
+    def __post_init__(self) -> None:
+        self._check_buckets()
+        self._check_depths()
+        # Written so that NaN fails too: every comparison with NaN is False.
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ConfigError(f"speculation.epsilon must be in [0, 1], got {self.epsilon}.")
+        if self.window < 1:
+            raise ConfigError(f"speculation.window must be >= 1 reward, got {self.window}.")
+        if not 1 <= self.median_blocks <= self.window:
+            raise ConfigError(f"speculation.median_blocks must be in [1, window={self.window}], got "
+                              f"{self.median_blocks}.")
+        if not 1 <= self.min_observations <= self.window:
+            raise ConfigError(f"speculation.min_observations must be in [1, window={self.window}], got "
+                              f"{self.min_observations}.")
+        if self.max_speculative_batch is not None:
+            if self.max_speculative_batch < 1:
+                raise ConfigError(f"speculation.max_speculative_batch must be >= 1 or None, got "
+                                  f"{self.max_speculative_batch}.")
+            if self.depths is not None and 0 not in self.depths:
+                raise ConfigError(f"speculation.max_speculative_batch needs depth 0 among depths "
+                                  f"{tuple(self.depths)} (the depth of batches above it).")
+
+    def _check_buckets(self) -> None:
+        bounds = tuple(self.bucket_bounds)
+        if not bounds:
+            raise ConfigError("speculation.bucket_bounds is empty; give at least one upper batch-size bound.")
+        if bounds[0] < 1:
+            raise ConfigError(f"speculation.bucket_bounds must be >= 1 (batch sizes start at 1), got {bounds[0]} "
+                              f"in {bounds}.")
+        for lo, hi in zip(bounds, bounds[1:]):
+            if hi <= lo:
+                raise ConfigError(f"speculation.bucket_bounds must be strictly increasing, got {lo} then {hi} in "
+                                  f"{bounds}; the buckets would overlap.")
+
+    def _check_depths(self) -> None:
+        if self.depths is None:  # 0..max_depth: distinct and >= 0 by construction
+            return
+        depths = tuple(self.depths)
+        if not depths:
+            raise ConfigError("speculation.depths is empty; give at least one speculation depth K "
+                              "(0 = speculation off), or null for every depth up to drafter.speculative_tokens.")
+        duplicates = sorted({k for k in depths if depths.count(k) > 1})
+        if duplicates:
+            raise ConfigError(f"speculation.depths has duplicate values {duplicates} in {depths}; each arm must "
+                              "be distinct.")
+        if min(depths) < 0:
+            raise ConfigError(f"speculation.depths must be >= 0, got {min(depths)} in {depths}.")
+
+    def arms(self, max_depth: int) -> tuple[int, ...]:
+        """The bandit's arms in an engine built for depths up to ``max_depth`` (``drafter.speculative_tokens``):
+        ``depths``, or every depth 0..max_depth when it is None. Refuses a deeper arm: the engine has no
+        drafts beyond its depth to propose."""
+        depths = tuple(range(max_depth + 1)) if self.depths is None else tuple(self.depths)
+        if max(depths) > max_depth:
+            raise ConfigError(f"speculation.depths has {max(depths)}, above the engine's maximum speculation depth "
+                              f"max_depth={max_depth} (drafter.speculative_tokens): lower the depths or raise it.")
+        return depths
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -228,6 +394,12 @@ class TrainerConfig:
     run_dir: str | None = None
     """Where config, tensorboard events, checkpoints and summary.json go (None: runs/<time stamp>)."""
 
+    def __post_init__(self) -> None:
+        _require_at_least_one("trainer", steps=self.steps, prompts_per_step=self.prompts_per_step,
+                              micro_batch_size=self.micro_batch_size, updates_per_step=self.updates_per_step)
+        if self.recompute not in RECOMPUTES:
+            raise ConfigError(f"trainer.recompute must be one of {', '.join(RECOMPUTES)}, got '{self.recompute}'")
+
 
 @dataclasses.dataclass(kw_only=True)
 class TLTConfig:
@@ -243,6 +415,37 @@ class TLTConfig:
     drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
     speculation: SpeculationConfig = dataclasses.field(default_factory=SpeculationConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        """The checks across sections (each section has checked its own values when it was built)."""
+        p = self.parallel
+        _check_layout(self)
+        _require_divisible("trainer.prompts_per_step", self.trainer.prompts_per_step,
+                           "parallel.data_parallel_size", p.data_parallel_size)
+        _require_divisible("warmup.sequences_per_step", self.warmup.sequences_per_step,
+                           "parallel.data_parallel_size", p.data_parallel_size)
+        if self.data.path is not None and self.model.hf_dir is None:
+            raise ConfigError("data.path needs model.hf_dir (a policy with its tokenizer); the built-in tiny "
+                              "policy only knows the built-in task")
+        if self.speculation.adaptive:
+            _check_speculation_fits_drafter(self)
+
+
+def _check_layout(config: TLTConfig) -> None:
+    """The layout rules that need no model (``layout_rules``, shared with ``tlt plan``): the engine's TP
+    divides the policy's, sequence parallelism has TP ranks to split over."""
+    try:
+        layout_rules.check_config_layout(config)
+    except layout_rules.LayoutError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_speculation_fits_drafter(config: TLTConfig) -> None:
+    """BEG-MAB chooses among depths the engines are built for: up to drafter.speculative_tokens."""
+    if config.drafter.speculative_tokens < 1:
+        raise ConfigError("speculation.adaptive needs drafter.speculative_tokens >= 1 (the deepest speculation "
+                          "the bandit may choose and the engines are built for)")
+    config.speculation.arms(config.drafter.speculative_tokens)
 
 
 def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
@@ -282,7 +485,7 @@ def _resolve_config_file(name_or_path: str) -> Path:
 
 
 def load_config(name_or_path: str | None = None, overrides: list[str] | None = None) -> TLTConfig:
-    """Defaults, then the named/path YAML, then ``key=value`` overrides; validated."""
+    """Defaults, then the named/path YAML, then ``key=value`` overrides; checked as the tree is built."""
     merged = OmegaConf.structured(TLTConfig)
     layers: list[tuple[str, Any]] = []
     if name_or_path:
@@ -303,134 +506,24 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | None = N
             raise _unknown_key_error(err, source) from None
         except OmegaConfBaseException as err:
             raise ConfigError(f"{source}: {str(err).splitlines()[0]} (key '{getattr(err, 'full_key', '?')}')") from None
-    config = OmegaConf.to_object(merged)
-    validate(config)
-    return config
+    return _instantiate(merged)
 
 
-def validate(config: TLTConfig) -> None:
-    """Cross-field checks that need no model, no files and no processes."""
-    p, r, a, t = config.parallel, config.rollout, config.algorithm, config.trainer
-    for name, value in (("parallel.tensor_parallel_size", p.tensor_parallel_size),
-                        ("parallel.pipeline_parallel_size", p.pipeline_parallel_size),
-                        ("parallel.data_parallel_size", p.data_parallel_size),
-                        ("rollout.samples_per_prompt", r.samples_per_prompt),
-                        ("trainer.steps", t.steps), ("trainer.prompts_per_step", t.prompts_per_step),
-                        ("trainer.micro_batch_size", t.micro_batch_size),
-                        ("trainer.updates_per_step", t.updates_per_step),
-                        ("rollout.max_response_tokens", r.max_response_tokens),
-                        ("warmup.sequences_per_step", config.warmup.sequences_per_step),
-                        ("warmup.micro_batch_size", config.warmup.micro_batch_size)):
-        if value < 1:
-            raise ConfigError(f"{name} must be >= 1, got {value}")
-    from megatron_tlt.rl.engine_placement import PlacementError, resolve_engine_tensor_parallel_size
-
+def _instantiate(merged) -> TLTConfig:
+    """The dataclasses from the merged tree: OmegaConf builds each section from its final values (innermost
+    first, then ``TLTConfig``), so every ``__post_init__`` checks what the run will use. It wraps only a
+    ``TypeError`` of a constructor; a ``ConfigError`` raised there passes through unchanged."""
     try:
-        resolve_engine_tensor_parallel_size(r.engine.tensor_parallel_size, p.tensor_parallel_size)
-    except PlacementError as err:
-        raise ConfigError(str(err)) from None
-    if t.prompts_per_step % p.data_parallel_size:
-        raise ConfigError(f"trainer.prompts_per_step {t.prompts_per_step} is not divisible by "
-                          f"parallel.data_parallel_size {p.data_parallel_size}")
-    if not 0.0 <= a.clip_low < 1.0 or a.clip_high < 0.0:
-        raise ConfigError(f"algorithm.clip_low must be in [0, 1) and clip_high >= 0, got {a.clip_low}, {a.clip_high}")
-    if not 0.0 < r.top_p <= 1.0 or r.temperature < 0.0:
-        raise ConfigError(f"rollout.top_p must be in (0, 1] and temperature >= 0, got {r.top_p}, {r.temperature}")
-    from megatron_tlt.rl.advantages import known_advantage_names
-
-    if a.advantage not in known_advantage_names():
-        raise ConfigError(f"algorithm.advantage must be one of {', '.join(known_advantage_names())}, got '{a.advantage}'")
-    if a.loss_aggregation not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
-        raise ConfigError(f"algorithm.loss_aggregation must be token_mean, seq_mean_token_mean or "
-                          f"seq_mean_token_sum, got '{a.loss_aggregation}'")
-    if config.data.path is not None and config.model.hf_dir is None:
-        raise ConfigError("data.path needs model.hf_dir (a policy with its tokenizer); the built-in tiny "
-                          "policy only knows the built-in task")
-    if config.warmup.sequences_per_step % p.data_parallel_size:
-        raise ConfigError(f"warmup.sequences_per_step {config.warmup.sequences_per_step} is not divisible by "
-                          f"parallel.data_parallel_size {p.data_parallel_size}")
-    if not 0.0 <= config.warmup.other_answer_format_share <= 1.0:
-        raise ConfigError(f"warmup.other_answer_format_share must be in [0, 1], got "
-                          f"{config.warmup.other_answer_format_share}")
-    d = config.drafter
-    if d.speculative_tokens < 0 or d.buffer_tokens < 1 or d.pack_tokens < 1:
-        raise ConfigError(f"drafter.speculative_tokens must be >= 0 and buffer_tokens, pack_tokens >= 1, got "
-                          f"{d.speculative_tokens}, {d.buffer_tokens}, {d.pack_tokens}")
-    if d.spot_duty_cycle is not None and not 0.0 < d.spot_duty_cycle <= 1.0:
-        raise ConfigError(f"drafter.spot_duty_cycle must be in (0, 1], got {d.spot_duty_cycle}")
-    if d.spot_training_steps not in ("all", "even", "odd"):
-        raise ConfigError(f"drafter.spot_training_steps must be all, even or odd, got '{d.spot_training_steps}'")
-    if d.precision not in DRAFTER_PRECISIONS:
-        raise ConfigError(f"drafter.precision must be {', '.join(DRAFTER_PRECISIONS)}, got '{d.precision}'")
-    if d.init_dir is not None and not (Path(d.init_dir).expanduser() / "model.safetensors").is_file():
-        raise ConfigError(f"drafter.init_dir {d.init_dir}: no model.safetensors there (expected an EAGLE "
-                          "drafter directory, e.g. from `tlt warmup-drafter`)")
-    if config.speculation.adaptive:
-        _validate_speculation(config)
-    o = config.optimizer
-    if o.lr_decay_style not in ("constant", "linear", "cosine"):
-        raise ConfigError(f"optimizer.lr_decay_style must be constant, linear or cosine, got '{o.lr_decay_style}'")
-    if o.lr_warmup_steps < 0 or not 0.0 <= o.min_lr <= o.lr:
-        raise ConfigError(f"optimizer.lr_warmup_steps must be >= 0 and 0 <= min_lr <= lr, got "
-                          f"{o.lr_warmup_steps}, {o.min_lr}, {o.lr}")
-    if config.model.dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got '{config.model.dtype}'")
-    _validate_build_options(config)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot build the config: {str(err).splitlines()[0]}") from None
 
 
-def _validate_build_options(config: TLTConfig) -> None:
-    """How the policy is built (``build_options``): the choices, and what each needs."""
-    from megatron_tlt.build_options import ATTENTIONS, RECOMPUTES
-
-    if config.model.attention not in ATTENTIONS:
-        raise ConfigError(f"model.attention must be one of {', '.join(ATTENTIONS)}, got '{config.model.attention}'")
-    if config.trainer.recompute not in RECOMPUTES:
-        raise ConfigError(f"trainer.recompute must be one of {', '.join(RECOMPUTES)}, got '{config.trainer.recompute}'")
-    if config.parallel.sequence_parallel and config.parallel.tensor_parallel_size < 2:
-        raise ConfigError("parallel.sequence_parallel needs parallel.tensor_parallel_size > 1 (it splits the "
-                          "sequence over the tensor-parallel ranks)")
-    if config.model.attention == "te" and importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError("model.attention=te needs Transformer Engine, which is not installed here "
-                          "(launch/install_gpu.sh installs it where it builds); use model.attention=sdpa")
-
-
-def build_options(config: TLTConfig):
+def build_options(config: TLTConfig) -> BuildOptions:
     """The policy's ``BuildOptions`` from ``model.attention``, ``trainer.recompute`` and
     ``parallel.sequence_parallel``: what ``tlt train`` builds and ``tlt plan`` estimates."""
-    from megatron_tlt.build_options import BuildOptions
-
     return BuildOptions(attention=config.model.attention, recompute=config.trainer.recompute,
                         sequence_parallel=config.parallel.sequence_parallel)
-
-
-def bandit_settings(config: TLTConfig):
-    """The rollout engines' BEG-MAB settings from ``speculation.*`` (None when it is off)."""
-    if not config.speculation.adaptive:
-        return None
-    depths = config.speculation.depths
-    return bandit_settings_with_depths(config, range(config.drafter.speculative_tokens + 1) if depths is None else depths)
-
-
-def bandit_settings_with_depths(config: TLTConfig, depths):
-    """``speculation.*`` as BEG-MAB settings over the given arms (``tlt bench rollout`` picks its own)."""
-    from megatron_tlt.spec.bandit import BanditSettings
-
-    s = config.speculation
-    return BanditSettings(bucket_bounds=tuple(s.bucket_bounds), depths=tuple(depths), epsilon=s.epsilon,
-                          window=s.window, median_blocks=s.median_blocks, min_observations=s.min_observations,
-                          max_speculative_batch=s.max_speculative_batch, seed=config.trainer.seed)
-
-
-def _validate_speculation(config: TLTConfig) -> None:
-    from megatron_tlt.spec.bandit import BanditConfigError
-
-    if config.drafter.speculative_tokens < 1:
-        raise ConfigError("speculation.adaptive needs drafter.speculative_tokens >= 1 (the deepest speculation "
-                          "the bandit may choose and the engines are built for)")
-    try:
-        bandit_settings(config).validate(max_depth=config.drafter.speculative_tokens)
-    except BanditConfigError as err:
-        raise ConfigError(f"speculation: {err}") from None
 
 
 def world_size(config: TLTConfig) -> int:
@@ -441,3 +534,4 @@ def world_size(config: TLTConfig) -> int:
 def to_yaml(config: TLTConfig) -> str:
     """The fully resolved tree, as written to ``RUN_DIR/config.yaml``."""
     return OmegaConf.to_yaml(OmegaConf.structured(config))
+

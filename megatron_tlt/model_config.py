@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from megatron_tlt import layout_rules
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -69,26 +71,12 @@ class PolicyArchitecture:
         return math.ceil(self.vocab_size / multiple) * multiple
 
     def validate_layout(self, *, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-        """Refuse parallel layouts this model cannot be split into, naming the values."""
-        tp, pp = tensor_parallel_size, pipeline_parallel_size
-        if tp < 1 or pp < 1:
-            raise ModelConfigError(f"parallel sizes must be >= 1, got tp={tp} pp={pp}")
-        if self.num_attention_heads % tp:
-            raise ModelConfigError(
-                f"tensor parallel size {tp} does not divide num_attention_heads {self.num_attention_heads}"
-            )
-        if self.num_kv_heads % tp:
-            raise ModelConfigError(
-                f"tensor parallel size {tp} does not divide num_key_value_heads {self.num_kv_heads}"
-            )
-        if pp > self.num_layers:
-            raise ModelConfigError(
-                f"pipeline parallel size {pp} is larger than num_hidden_layers {self.num_layers}"
-            )
-        if self.num_layers % pp:
-            raise ModelConfigError(
-                f"pipeline parallel size {pp} does not divide num_hidden_layers {self.num_layers}"
-            )
+        """Refuse parallel layouts this model cannot be split into, naming the values: the rule book's
+        ``layout_rules.check_policy_layout``, raised as the ``ModelConfigError`` this method's callers catch."""
+        try:
+            layout_rules.check_policy_layout(self, tp=tensor_parallel_size, pp=pipeline_parallel_size)
+        except layout_rules.LayoutError as err:
+            raise ModelConfigError(str(err)) from None
 
 
 def _require(cfg: dict[str, Any], key: str, source: str) -> Any:

@@ -1,9 +1,10 @@
 """``tlt plan``: choose a TP/PP/DP layout for a model on a cluster and estimate memory per GPU.
 
-The planner checks a layout the way Megatron-Core, vLLM and ``tlt train`` would refuse it (TP must divide the
-attention and KV heads, PP the layers, TP x PP the GPUs; TP stays inside a node; sequence parallelism needs
-TP > 1), then estimates the memory of one GPU in the three phases of a colocated RL step and refuses a
-layout whose peak exceeds the GPU. The command line and the config keys are ``plan_cli.py``'s; the
+The planner checks a layout the way Megatron-Core, vLLM and ``tlt train`` would refuse it, with the rules
+and words of ``tlt train``'s rule book (``layout_rules``: TP divides the attention and KV heads and the
+MLP, PP the layers, the engine's TP the policy's; sequence parallelism needs TP > 1) and the cluster's
+own (``plan_checks``: TP x PP divides the GPUs, TP stays inside a node), then estimates the memory of one
+GPU in the three phases of a colocated RL step and refuses a layout whose peak exceeds the GPU. The command line and the config keys are ``plan_cli.py``'s; the
 formulas are ``plan_memory.py``'s; the model and its parameter counts ``plan_model.py``'s.
 
 How the phases share a GPU, as ``rl/trainer.py`` runs them (colocated, ``../shared/DESIGN.md`` section 1):
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_tlt import layout_rules
 from megatron_tlt.build_options import ATTENTIONS, RECOMPUTES
 from megatron_tlt.model_config import PolicyArchitecture
 from megatron_tlt.plan_checks import (check_engine_tp, check_layout, check_pipeline_parallel, check_tensor_parallel,
@@ -39,9 +41,6 @@ from megatron_tlt.plan_memory import (BF16, DTYPE_BYTES, FP32, ActivationSetting
 from megatron_tlt.plan_model import PlanError, drafter_parameters, stage_parameters
 
 GIB = 1024**3
-SEQUENCE_PARALLEL_NEEDS_TP = ("parallel.sequence_parallel needs parallel.tensor_parallel_size > 1 (it splits the "
-                              "sequence over the tensor-parallel ranks)")
-"""``config.validate``'s words, which ``tlt train`` refuses with."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -179,8 +178,10 @@ def _check_options(o: PlanOptions, *, tp: int) -> None:
         raise PlanError(f"attention must be one of {', '.join(ATTENTIONS)}, got '{o.attention}'")
     if o.recompute not in RECOMPUTES:
         raise PlanError(f"recompute must be one of {', '.join(RECOMPUTES)}, got '{o.recompute}'")
-    if o.sequence_parallel and tp < 2:
-        raise PlanError(f"TP={tp} refused: {SEQUENCE_PARALLEL_NEEDS_TP}")
+    try:
+        layout_rules.check_sequence_parallel(sequence_parallel=o.sequence_parallel, tp=tp)
+    except layout_rules.LayoutError as err:
+        raise PlanError(f"TP={tp} refused: {err}") from None
 
 
 def plan_layout(arch: PolicyArchitecture, *, nodes: int, gpus_per_node: int, tp: int, pp: int,
@@ -365,10 +366,11 @@ def search_layouts(arch: PolicyArchitecture, *, nodes: int, gpus_per_node: int, 
         if pp:
             check_pipeline_parallel(arch, pp=pp)
         if options.engine_tp:
-            check_engine_tp(arch, engine_tp=options.engine_tp, gpus_per_node=gpus_per_node)
+            check_engine_tp(arch, engine_tp=options.engine_tp, gpus_per_node=gpus_per_node, policy_tp=tp)
         fixed = " with " + " ".join(f"{k}={v}" for k, v in (("TP", tp), ("PP", pp)) if v) if (tp or pp) else ""
-        raise PlanError(f"no valid layout{fixed} for {cluster_name(nodes, gpus_per_node)}: TP must divide the heads "
-                        f"and the GPUs of a node, PP the {arch.num_layers} layers, and TP x PP the GPUs")
+        raise PlanError(f"no valid layout{fixed} for {cluster_name(nodes, gpus_per_node)}: TP must divide the heads, "
+                        f"intermediate_size and the GPUs of a node, PP the {arch.num_layers} layers, TP x PP the "
+                        "GPUs, and the engine TP the TP")
     plans, errors = [], []
     for t, p in layouts:
         try:

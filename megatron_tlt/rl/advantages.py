@@ -7,7 +7,8 @@ response's advantage over its tokens (``advantages_bt = advantages_g.reshape(-1,
 
 Estimators are registered by name (``@register_advantage("grpo")``) so the config picks one with a string
 and the trainer calls ``get_advantage_fn(name)(rewards_g)``. Each takes ``rewards_g`` positionally and
-its own options by keyword.
+its own options by keyword. The names are ``config.ADVANTAGES``: the config checks ``algorithm.advantage``
+against that tuple without importing this module, and a name registered here must be listed there.
 
 No I/O, no process groups: every function here runs on CPU in a unit test.
 """
@@ -17,7 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the estimators only call tensor methods; config validation lists them without torch
+from megatron_tlt.config import ADVANTAGES
+
+if TYPE_CHECKING:  # the estimators only call tensor methods: importing this module needs no torch
     from torch import Tensor
 
 AdvantageFn = Callable[..., "Tensor"]
@@ -31,6 +34,9 @@ def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
     def decorate(fn: AdvantageFn) -> AdvantageFn:
         if name in _ADVANTAGE_FNS:
             raise ValueError(f"advantage estimator {name!r} is already registered ({_ADVANTAGE_FNS[name].__name__})")
+        if name not in ADVANTAGES:
+            raise ValueError(f"advantage estimator {name!r} is not in config.ADVANTAGES {ADVANTAGES}: add it there, "
+                             "or algorithm.advantage could never choose it")
         _ADVANTAGE_FNS[name] = fn
         return fn
 

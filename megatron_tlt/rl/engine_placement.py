@@ -7,6 +7,7 @@ and hence inside one data-parallel replica). The ranks of an engine must submit 
 and get identical outputs back; the engines of a replica split its prompts between them.
 
 With engine TP = 1 every rank is its own engine: the behaviour before engines followed the policy.
+Which engine sizes are allowed is the layout rule book's (``layout_rules.resolve_engine_tp``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TypeVar
 
+from megatron_tlt.layout_rules import resolve_engine_tp
+
 T = TypeVar("T")
-
-
-class PlacementError(ValueError):
-    """An engine size that does not nest in the policy's layout."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +58,8 @@ class EnginePlacement:
 
 
 def resolve_engine_tensor_parallel_size(configured: int | None, policy_tensor_parallel_size: int) -> int:
-    """``rollout.engine.tensor_parallel_size``, defaulting to the policy's TP; refused unless it divides it."""
-    engine_tp = policy_tensor_parallel_size if configured is None else configured
-    if engine_tp < 1 or policy_tensor_parallel_size % engine_tp:
-        raise PlacementError(
-            f"rollout.engine.tensor_parallel_size {engine_tp} must be >= 1 and divide parallel.tensor_parallel_size "
-            f"{policy_tensor_parallel_size}: an engine's ranks must lie in one tensor-parallel group of the policy")
-    return engine_tp
+    """``layout_rules.resolve_engine_tp`` under its old name, for callers not yet switched to it."""
+    return resolve_engine_tp(configured, policy_tensor_parallel_size)
 
 
 def engine_placement(engine_tensor_parallel_size: int) -> EnginePlacement:
@@ -74,7 +68,7 @@ def engine_placement(engine_tensor_parallel_size: int) -> EnginePlacement:
 
     from megatron_tlt import mcore  # imports megatron.core: not for config validation
 
-    resolve_engine_tensor_parallel_size(engine_tensor_parallel_size, mcore.stage_info().tp_size)
+    resolve_engine_tp(engine_tensor_parallel_size, mcore.stage_info().tp_size)  # the groups as built, not as configured
     mp_group = mcore.model_parallel_group()
     return placement_of(rank=dist.get_rank(), world_size=dist.get_world_size(), mp_rank=dist.get_rank(mp_group),
                         mp_size=dist.get_world_size(mp_group), engine_tensor_parallel_size=engine_tensor_parallel_size)

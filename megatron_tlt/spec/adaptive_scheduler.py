@@ -4,8 +4,10 @@ vLLM 0.32's scheduler already carries a per-step depth (``SchedulerOutput.num_sp
 read by the model runner; 0 turns drafting off for that step) when dynamic speculative decoding is on.
 This subclass, given to vLLM by qualified name (``scheduler_cls``), sets that depth from the bandit for
 the live batch size, and feeds the bandit each step's outcome in ``update_from_output``. Nothing of
-vLLM is forked or patched. Settings arrive through ``additional_config[BANDIT_CONFIG_KEY]``. In an
-engine over several ranks the first rank's bandit chooses and the others follow it.
+vLLM is forked or patched. Settings arrive through ``additional_config[BANDIT_CONFIG_KEY]``, a plain
+dict (vLLM hashes it as JSON): ``speculation.*`` as ``dataclasses.asdict`` gives it, plus the
+bandit's ``seed`` (``bandit_additional_config`` writes it, ``bandit_from_additional_config`` reads it).
+In an engine over several ranks the first rank's bandit chooses and the others follow it.
 
 Credit assignment: step N verifies the drafts proposed at the end of step N-1 (depth K_{N-1}) and
 drafts K_N new ones, so its tokens come from K_{N-1} and its time holds the drafting of K_N. Only steps
@@ -26,10 +28,23 @@ import time
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from megatron_tlt.spec.bandit import BanditSettings, BucketedEpsilonGreedy
+from megatron_tlt.config import SpeculationConfig
+from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
 
 BANDIT_CONFIG_KEY = "tlt_speculation_bandit"
 QUALIFIED_NAME = f"{__name__}.AdaptiveSpeculationScheduler"
+
+
+def bandit_additional_config(settings: SpeculationConfig, seed: int) -> dict:
+    """vLLM's ``additional_config`` entry that carries the bandit's settings and seed to the scheduler."""
+    return {BANDIT_CONFIG_KEY: {**dataclasses.asdict(settings), "seed": seed}}
+
+
+def bandit_from_additional_config(additional_config: dict | None, max_depth: int) -> BucketedEpsilonGreedy:
+    """The bandit ``bandit_additional_config`` described, over depths up to the engine's ``max_depth``."""
+    fields = dict((additional_config or {}).get(BANDIT_CONFIG_KEY, {}))
+    seed = fields.pop("seed", 0)
+    return BucketedEpsilonGreedy(SpeculationConfig(**fields), max_depth=max_depth, seed=seed)
 
 
 @dataclasses.dataclass
@@ -48,11 +63,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
         if self.dynamic_sd_lookup is None:
             raise ValueError("AdaptiveSpeculationScheduler needs speculative decoding with "
                              "num_speculative_tokens_per_batch_size set (dynamic speculation on)")
-        settings = dict((vllm_config.additional_config or {}).get(BANDIT_CONFIG_KEY, {}))
-        for key in ("bucket_bounds", "depths"):
-            if key in settings:
-                settings[key] = tuple(settings[key])
-        self.bandit = BucketedEpsilonGreedy(BanditSettings(**settings), max_depth=self.num_spec_tokens)
+        self.bandit = bandit_from_additional_config(vllm_config.additional_config, self.num_spec_tokens)
         self.pinned_depth: int | None = None
         """A fixed depth for every step instead of the bandit's choice (benchmarks); None: the bandit."""
         self.step_log: list[tuple[int, int]] = []

@@ -25,86 +25,32 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
+from megatron_tlt.config import ConfigError, SpeculationConfig
+
 _STATE_VERSION = 1
 
 
-class BanditConfigError(ValueError):
-    """Bad bandit settings; the message names the field and the problem."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class BanditSettings:
-    bucket_bounds: tuple[int, ...] = (1, 2, 5, 21, 32)
-    """Inclusive upper batch-size bounds of the buckets: (1, 2, 5, 21, 32) gives buckets 1, 2, 3-5, 6-21, 22-32 and a last bucket 33+."""
-    depths: tuple[int, ...] = (0, 1, 2, 3)
-    """The arms: speculation depths K; 0 = speculation off."""
-    epsilon: float = 0.1
-    window: int = 300
-    """Rewards kept per (bucket, arm); the estimate is the median of their block means."""
-    median_blocks: int = 5
-    """The window is cut into this many blocks of consecutive rewards (fewer while it holds fewer rewards)
-    and the estimate is the median of the blocks' mean rewards; ``window`` gives the plain median of
-    the rewards (TLT's), 1 their plain mean."""
-    min_observations: int = 3
-    """Rewards an arm needs before its estimate is trusted: until then it is chosen first ("untried"),
-    so one unlucky step time cannot shut an arm out until exploration happens to revisit it."""
-    max_speculative_batch: int | None = None
-    """Batches above this run with K = 0 without asking the bandit (TLT turns speculation off above 32:
-    verifying drafts no longer comes free there); None: the bandit decides at every batch size."""
-    seed: int = 0
-
-    def validate(self, max_depth: int) -> None:
-        """Raise BanditConfigError naming the field and the offending values if the settings are unusable."""
-        bounds, depths = tuple(self.bucket_bounds), tuple(self.depths)
-        if not bounds:
-            raise BanditConfigError("bucket_bounds is empty; give at least one upper batch-size bound.")
-        if bounds[0] < 1:
-            raise BanditConfigError(f"bucket_bounds must be >= 1 (batch sizes start at 1), got {bounds[0]} in {bounds}.")
-        for lo, hi in zip(bounds, bounds[1:]):
-            if hi <= lo:
-                raise BanditConfigError(
-                    f"bucket_bounds must be strictly increasing, got {lo} then {hi} in {bounds}; the buckets would overlap."
-                )
-        if not depths:
-            raise BanditConfigError("depths is empty; give at least one speculation depth K (0 = speculation off).")
-        duplicates = sorted({k for k in depths if depths.count(k) > 1})
-        if duplicates:
-            raise BanditConfigError(f"depths has duplicate values {duplicates} in {depths}; each arm must be distinct.")
-        if min(depths) < 0:
-            raise BanditConfigError(f"depths must be >= 0, got {min(depths)} in {depths}.")
-        if max(depths) > max_depth:
-            raise BanditConfigError(
-                f"depths has {max(depths)}, above the engine's maximum speculation depth max_depth={max_depth}."
-            )
-        # Written so that NaN fails too: every comparison with NaN is False.
-        if not 0.0 <= self.epsilon <= 1.0:
-            raise BanditConfigError(f"epsilon must be in [0, 1], got {self.epsilon}.")
-        if self.window < 1:
-            raise BanditConfigError(f"window must be >= 1 reward, got {self.window}.")
-        if not 1 <= self.median_blocks <= self.window:
-            raise BanditConfigError(f"median_blocks must be in [1, window={self.window}], got {self.median_blocks}.")
-        if not 1 <= self.min_observations <= self.window:
-            raise BanditConfigError(f"min_observations must be in [1, window={self.window}], got {self.min_observations}.")
-        if self.max_speculative_batch is not None:
-            if self.max_speculative_batch < 1:
-                raise BanditConfigError(f"max_speculative_batch must be >= 1 or None, got {self.max_speculative_batch}.")
-            if 0 not in depths:
-                raise BanditConfigError(f"max_speculative_batch needs depth 0 among depths {depths} "
-                                        "(the depth of batches above it).")
+class BanditConfigError(ConfigError):
+    """A bandit that cannot run with these arms or this saved state; the message names the values."""
 
 
 class BucketedEpsilonGreedy:
-    """One epsilon-greedy bandit over `settings.depths` per batch-size bucket."""
+    """One epsilon-greedy bandit over the arms of ``settings`` (``speculation.*``) per batch-size bucket.
 
-    def __init__(self, settings: BanditSettings, max_depth: int) -> None:
-        settings.validate(max_depth)
+    ``settings.depths`` None gives the arms 0..``max_depth``, the deepest speculation the engine is built
+    for; ``SpeculationConfig`` has checked its own values when it was built, the arms against
+    ``max_depth`` are checked here. ``seed`` seeds the bandit's own exploration.
+    """
+
+    def __init__(self, settings: SpeculationConfig, *, max_depth: int, seed: int = 0) -> None:
         self.settings = settings
         self.max_depth = max_depth
+        self.seed = seed
         self._bounds = tuple(settings.bucket_bounds)
-        self._depths = tuple(settings.depths)
+        self._depths = settings.arms(max_depth)
         self._arm = {k: i for i, k in enumerate(self._depths)}
         # Own generator, so the engine's other randomness neither disturbs nor is disturbed by ours.
-        self._rng = random.Random(settings.seed)
+        self._rng = random.Random(seed)
         self._rewards = [[self._new_window() for _ in self._depths] for _ in range(self.num_buckets)]
         self._pulls = [[0] * len(self._depths) for _ in range(self.num_buckets)]
 
@@ -194,7 +140,8 @@ class BucketedEpsilonGreedy:
         version, internal, gauss_next = self._rng.getstate()
         settings = dataclasses.asdict(self.settings)
         settings["bucket_bounds"] = list(self._bounds)
-        settings["depths"] = list(self._depths)
+        settings["depths"] = list(self._depths)  # the arms, resolved
+        settings["seed"] = self.seed
         return {
             "version": _STATE_VERSION,
             "settings": settings,

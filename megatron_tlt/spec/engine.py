@@ -28,11 +28,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_tlt.config import RolloutEngineConfig, SpeculationConfig
 from megatron_tlt.model_config import PolicyArchitecture
-from megatron_tlt.spec.bandit import BanditSettings
 from megatron_tlt.spec.cuda_graphs import speculation_schedule
 from megatron_tlt.spec.eagle import eagle_drafter_config, validate_drafter
-from megatron_tlt.spec.engine_config import RolloutEngineConfig
 from megatron_tlt.spec.metrics import SpecDecodeStats, acceptance_collapsed
 
 logger = logging.getLogger(__name__)
@@ -58,16 +57,19 @@ class SamplingSettings:
     """Base seed; request i uses seed + i so a rollout is reproducible."""
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass
 class SpeculativeSettings:
     """EAGLE speculative decoding in the engine."""
 
     num_speculative_tokens: int = 3
     """Draft depth K (the most tokens proposed per step)."""
+    adaptive: SpeculationConfig | None = None
+    """BEG-MAB picks the depth of every engine step among ``adaptive.arms(num_speculative_tokens)``
+    (the config's ``speculation`` section); None: always K. Its ``adaptive`` flag is not read here."""
+    seed: int = 0
+    """Seed of the bandit's exploration (``trainer.seed`` in a run)."""
     acceptance_alarm_threshold: float = 0.05
     """Accepted share of draft tokens below which a probe raises the collapse alarm."""
-    adaptive: BanditSettings | None = None
-    """BEG-MAB picks the depth of every engine step (up to ``num_speculative_tokens``); None: always K."""
 
 
 @dataclasses.dataclass
@@ -225,14 +227,14 @@ class RolloutEngine:
         if speculative is not None and speculative.adaptive is not None:
             from megatron_tlt.spec import adaptive_scheduler
 
-            speculative.adaptive.validate(speculative.num_speculative_tokens)
+            speculative.adaptive.arms(speculative.num_speculative_tokens)  # refused here, not inside vLLM
             # Dynamic speculation on; the table also tells vLLM which batch sizes may run speculative
             # shapes (its CUDA-graph capture tiers); the scheduler sets each step's depth itself.
             speculative_config["num_speculative_tokens_per_batch_size"] = speculation_schedule(
                 speculative.adaptive, speculative.num_speculative_tokens, config.max_num_seqs)
             adaptive = dict(scheduler_cls=adaptive_scheduler.QUALIFIED_NAME, async_scheduling=False,
-                            additional_config={adaptive_scheduler.BANDIT_CONFIG_KEY:
-                                               dataclasses.asdict(speculative.adaptive)})
+                            additional_config=adaptive_scheduler.bandit_additional_config(
+                                speculative.adaptive, speculative.seed))
         if not torch.cuda.is_available():
             from megatron_tlt import cpu_compat
 

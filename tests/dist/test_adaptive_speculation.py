@@ -23,18 +23,18 @@ ROLLOUT_ARCH = dict(TINY_LLAMA_ROLLOUT, num_hidden_layers=16)
 
 
 def _adaptive_engine_on_rank(workdir: str):
+    from megatron_tlt.config import SpeculationConfig
     from megatron_tlt.parallel import ParallelLayout
-    from megatron_tlt.spec.bandit import BanditSettings
     from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings, SpeculativeSettings
 
     arch = architecture_from_dict(ROLLOUT_ARCH)
     fixture = next_token_fixture(arch)
-    bandit = BanditSettings(bucket_bounds=(1, 2, 4, 8), depths=(0, 1, 2, 3), window=10, epsilon=0.1, seed=0)
+    bandit = SpeculationConfig(adaptive=True, bucket_bounds=[1, 2, 4, 8], depths=[0, 1, 2, 3], window=10, epsilon=0.1)
     greedy = SamplingSettings(temperature=0.0, max_tokens=96)
     out = {}
     with ParallelLayout():
         engine = RolloutEngine(arch, RolloutEngineConfig(max_model_len=256, seed=0), workdir=workdir, rank=0,
-                               speculative=SpeculativeSettings(num_speculative_tokens=K, adaptive=bandit),
+                               speculative=SpeculativeSettings(num_speculative_tokens=K, adaptive=bandit, seed=0),
                                drafter=fixture["good_drafter"])
         try:
             engine.load_weights(fixture["target"].items())

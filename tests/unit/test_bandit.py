@@ -13,7 +13,8 @@ import statistics
 
 import pytest
 
-from megatron_tlt.spec.bandit import BanditConfigError, BanditSettings, BucketedEpsilonGreedy
+from megatron_tlt.config import ConfigError, SpeculationConfig
+from megatron_tlt.spec.bandit import BanditConfigError, BucketedEpsilonGreedy
 
 MAX_DEPTH = 5
 DEPTHS = (0, 1, 2, 3)
@@ -52,8 +53,10 @@ def step(bandit: BucketedEpsilonGreedy, table: dict, rng: random.Random, bucket:
     return depth
 
 
-def make(**kwargs) -> BucketedEpsilonGreedy:
-    return BucketedEpsilonGreedy(BanditSettings(**kwargs), max_depth=MAX_DEPTH)
+def make(*, seed: int = 0, **kwargs) -> BucketedEpsilonGreedy:
+    """A bandit over DEPTHS (unless given) in an engine built for MAX_DEPTH; kwargs are speculation.* keys."""
+    return BucketedEpsilonGreedy(SpeculationConfig(**{"depths": list(DEPTHS), **kwargs}), max_depth=MAX_DEPTH,
+                                 seed=seed)
 
 
 def test_converges_to_the_best_arm_of_every_bucket():
@@ -286,7 +289,7 @@ def test_loading_state_with_other_arms_or_buckets_is_refused():
     ({"median_blocks": 0}, r"median_blocks must be in \[1, window=300\], got 0"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
-    with pytest.raises(BanditConfigError, match=message):
+    with pytest.raises(ConfigError, match=message):
         make(**kwargs)
 
 
@@ -301,7 +304,7 @@ def test_bucket_mapping_and_labels():
 
 
 def test_batches_above_max_speculative_batch_never_speculate():
-    bandit = BucketedEpsilonGreedy(BanditSettings(max_speculative_batch=32, epsilon=1.0), max_depth=MAX_DEPTH)
+    bandit = make(max_speculative_batch=32, epsilon=1.0)
     assert {bandit.choose(b) for b in (33, 64, 200) for _ in range(50)} == {0}
     chosen = set()
     for _ in range(200):  # at the limit the bandit still decides
@@ -309,7 +312,15 @@ def test_batches_above_max_speculative_batch_never_speculate():
         bandit.observe(bandit.bucket_of(32), depth, 100.0)
         chosen.add(depth)
     assert chosen == set(DEPTHS)
-    with pytest.raises(BanditConfigError, match="needs depth 0"):
-        BanditSettings(depths=(1, 2), max_speculative_batch=32).validate(MAX_DEPTH)
-    with pytest.raises(BanditConfigError, match="max_speculative_batch must be >= 1"):
-        BanditSettings(max_speculative_batch=0).validate(MAX_DEPTH)
+    with pytest.raises(ConfigError, match="needs depth 0"):
+        SpeculationConfig(depths=[1, 2], max_speculative_batch=32)
+    with pytest.raises(ConfigError, match="max_speculative_batch must be >= 1"):
+        SpeculationConfig(max_speculative_batch=0)
+
+
+def test_without_depths_the_arms_are_every_depth_the_engine_is_built_for():
+    bandit = BucketedEpsilonGreedy(SpeculationConfig(), max_depth=3)
+    assert bandit.summary()["1"]["pulls"] == {"0": 0, "1": 0, "2": 0, "3": 0}
+    assert bandit.state_dict()["settings"]["depths"] == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match="speculation.depths has 4, above .* max_depth=3"):
+        BucketedEpsilonGreedy(SpeculationConfig(depths=[0, 4]), max_depth=3)

@@ -1,6 +1,9 @@
+import dataclasses
+
 import pytest
 
-from megatron_tlt.config import ConfigError, TLTConfig, load_config, to_yaml, world_size
+from megatron_tlt.config import (AlgorithmConfig, ConfigError, DrafterConfig, ParallelConfig, RolloutConfig,
+                                 SpeculationConfig, TLTConfig, TrainerConfig, load_config, to_yaml, world_size)
 
 
 def test_defaults_then_named_config_then_overrides_apply_in_order():
@@ -68,26 +71,89 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["speculation.adaptive=true"], "speculation.adaptive needs drafter.speculative_tokens >= 1"),
     (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.bucket_bounds=[1,5,5]"],
-     r"speculation: bucket_bounds must be strictly increasing, got 5 then 5 .* the buckets would overlap"),
+     r"speculation.bucket_bounds must be strictly increasing, got 5 then 5 .* the buckets would overlap"),
     (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.depths=[0,2,4]"],
-     r"speculation: depths has 4, above the engine's maximum speculation depth max_depth=3"),
+     r"speculation.depths has 4, above the engine's maximum speculation depth max_depth=3"),
     (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.epsilon=1.5"],
-     r"speculation: epsilon must be in \[0, 1\], got 1.5"),
+     r"speculation.epsilon must be in \[0, 1\], got 1.5"),
     (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.epsilon=-0.1"],
-     r"speculation: epsilon must be in \[0, 1\]"),
+     r"speculation.epsilon must be in \[0, 1\]"),
 ])
 def test_bad_bandit_settings_are_refused_at_start_up(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
 
 
-def test_bandit_settings_default_to_every_depth_up_to_the_engines():
-    from megatron_tlt.config import bandit_settings
+def test_the_bandit_takes_the_speculation_section_with_every_depth_up_to_the_engines_by_default():
+    from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
 
-    settings = bandit_settings(load_config(None, ["speculation.adaptive=true", "drafter.speculative_tokens=3"]))
-    assert settings.depths == (0, 1, 2, 3) and settings.bucket_bounds == (1, 2, 5, 21, 32)
-    assert settings.max_speculative_batch is None
-    assert bandit_settings(load_config(None, [])) is None
+    config = load_config(None, ["speculation.adaptive=true", "drafter.speculative_tokens=3"])
+    settings = config.speculation
+    assert settings.depths is None and settings.arms(config.drafter.speculative_tokens) == (0, 1, 2, 3)
+    assert settings.bucket_bounds == [1, 2, 5, 21, 32] and settings.max_speculative_batch is None
+    bandit = BucketedEpsilonGreedy(settings, max_depth=config.drafter.speculative_tokens, seed=config.trainer.seed)
+    assert bandit.summary()["1"]["pulls"] == {"0": 0, "1": 0, "2": 0, "3": 0}
+    assert not load_config(None, []).speculation.adaptive  # off by default: the engines get no bandit
+
+
+def test_other_arms_are_a_replace_of_the_section_and_are_checked_again():
+    speculation = load_config(None, []).speculation
+    chosen = dataclasses.replace(speculation, adaptive=True, depths=[0, 1, 2])
+    assert chosen.arms(max_depth=4) == (0, 1, 2)
+    with pytest.raises(ConfigError, match=r"speculation.depths has duplicate values \[1\]"):
+        dataclasses.replace(speculation, depths=[0, 1, 1])
+    with pytest.raises(ConfigError, match="speculation.depths has 2, above the engine's maximum speculation depth "
+                                          "max_depth=1"):
+        chosen.arms(max_depth=1)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: ParallelConfig(data_parallel_size=0), "parallel.data_parallel_size must be >= 1, got 0"),
+    (lambda: TrainerConfig(micro_batch_size=0), "trainer.micro_batch_size must be >= 1, got 0"),
+    (lambda: RolloutConfig(top_p=1.5), r"rollout.top_p must be in \(0, 1\]"),
+    (lambda: AlgorithmConfig(advantage="ppo"), "algorithm.advantage must be one of grpo, rloo, got 'ppo'"),
+    (lambda: DrafterConfig(precision="fp4"), "drafter.precision must be auto, fp32, bf16, fp8, got 'fp4'"),
+    (lambda: SpeculationConfig(window=10, median_blocks=11),
+     r"speculation.median_blocks must be in \[1, window=10\], got 11"),
+])
+def test_each_section_checks_its_own_values_when_it_is_built(build, message):
+    """A section made in code (a test, a benchmark, dataclasses.replace) is checked like a loaded one."""
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.micro_batch_size=0", "trainer.micro_batch_size must be >= 1, got 0"),
+    ("trainer.prompts_per_step=15", "trainer.prompts_per_step 15 is not divisible by parallel.data_parallel_size 2"),
+    ("speculation.window=0", "speculation.window must be >= 1 reward, got 0"),
+])
+def test_load_config_raises_a_plain_config_error_from_the_sections_checks(override, message):
+    """OmegaConf builds the dataclasses from the merged values and wraps only TypeErrors: the section's own
+    ConfigError reaches the caller as it was raised, not inside an OmegaConf exception."""
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(None, [override])
+    assert type(info.value) is ConfigError and str(info.value).startswith(override.split("=")[0])
+
+
+def test_the_advantage_choices_are_the_registered_estimators():
+    from megatron_tlt.config import ADVANTAGES
+    from megatron_tlt.rl.advantages import known_advantage_names
+
+    assert sorted(ADVANTAGES) == known_advantage_names()
+
+
+def test_the_config_imports_no_component():
+    """The bottom layer: rl, spec and drafter import config, never the other way round (not even lazily)."""
+    import ast
+    from pathlib import Path
+
+    import megatron_tlt.config as config_module
+
+    tree = ast.parse(Path(config_module.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    components = ("megatron_tlt.rl", "megatron_tlt.spec", "megatron_tlt.drafter")
+    assert not [name for name in imported if name.startswith(components)], imported
 
 
 def test_the_build_keys_become_the_policy_build_options():
