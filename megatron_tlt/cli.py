@@ -22,6 +22,11 @@ USER_ERROR_EXIT = 2
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.help_config:  # the keys, not a run: nothing else is read
+        from megatron_tlt.config import describe_keys
+
+        print(describe_keys())
+        return 0
     from megatron_tlt.rl.run import start_run
 
     run_dir, records = start_run(args.config, args.overrides, resume_dir=args.resume)
@@ -118,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default="tiny", help="config name under launch/configs or a YAML path")
     train.add_argument("--resume", metavar="RUN_DIR", default=None,
                        help="continue the run in RUN_DIR from its latest checkpoint (its config.yaml is used)")
+    train.add_argument("--help-config", action="store_true",
+                       help="print every config key with its type, default and meaning, then exit")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.steps=5")
     train.set_defaults(func=_cmd_train)
 

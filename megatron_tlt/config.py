@@ -7,7 +7,8 @@ hold values only. Parsing, merging and type conversion are OmegaConf's (structur
 module adds what users need on top: an unknown key is an error that lists the nearest valid keys,
 every section checks its own values when it is built (its ``__post_init__``, so a section made in code
 by ``dataclasses.replace`` is checked too) and ``TLTConfig`` the checks across sections, and the
-resolved tree is written to the run directory.
+resolved tree is written to the run directory. ``tlt train --help-config`` prints every key with its
+type, default and docstring (``describe_keys``).
 
 The bottom layer: this module imports nothing of ``megatron_tlt.rl``, ``.spec`` or ``.drafter``; they
 import it. Its choices (``ADVANTAGES``, ``DRAFTER_PRECISIONS``) live here and the components check
@@ -16,9 +17,12 @@ their registries against them.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import importlib.util
+import inspect
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -535,3 +539,59 @@ def to_yaml(config: TLTConfig) -> str:
     """The fully resolved tree, as written to ``RUN_DIR/config.yaml``."""
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
+
+# ----------------------------------------------------------------------------- tlt train --help-config
+
+
+def _field_docs() -> dict[str, dict[str, str]]:
+    """Class name -> field -> its docstring: the string literal after each field, which Python drops at
+    run time, so it is read from this file's syntax tree."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    docs: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        fields = docs.setdefault(node.name, {})
+        for statement, following in zip(node.body, node.body[1:]):
+            if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                fields[statement.target.id] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def _as_yaml(value: Any) -> str:
+    """A default as a user writes it in YAML or a key=value override."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _describe_section(section: Any, prefix: str, docs: dict[str, dict[str, str]], lines: list[str]) -> None:
+    doc = inspect.cleandoc(type(section).__doc__ or "").split("\n\n")[0]
+    lines += ["", f"{prefix[:-1]}: {' '.join(doc.split())}"]
+    nested = []
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if dataclasses.is_dataclass(value):
+            nested.append((field.name, value))
+            continue
+        lines.append(f"  {prefix}{field.name} ({field.type}, default {_as_yaml(value)})")
+        text = " ".join(docs.get(type(section).__name__, {}).get(field.name, "").split())
+        if text:
+            lines += textwrap.wrap(text, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                                   break_on_hyphens=False)
+    for name, value in nested:
+        _describe_section(value, f"{prefix}{name}.", docs, lines)
+
+
+def describe_keys() -> str:
+    """Every config key with its type, default and docstring, grouped by section (``tlt train --help-config``)."""
+    docs = _field_docs()
+    lines = ["Config keys of `tlt train`: set them in a YAML file (--config NAME|PATH) or as key=value overrides."]
+    defaults = TLTConfig()
+    for field in dataclasses.fields(defaults):
+        _describe_section(getattr(defaults, field.name), f"{field.name}.", docs, lines)
+    return "\n".join(lines)

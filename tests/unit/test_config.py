@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 
 from megatron_tlt.config import (AlgorithmConfig, ConfigError, DrafterConfig, ParallelConfig, RolloutConfig,
-                                 SpeculationConfig, TLTConfig, TrainerConfig, load_config, to_yaml, world_size)
+                                 SpeculationConfig, TLTConfig, TrainerConfig, load_config, to_yaml, valid_keys,
+                                 world_size)
 
 
 def test_defaults_then_named_config_then_overrides_apply_in_order():
@@ -154,6 +155,20 @@ def test_the_config_imports_no_component():
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     components = ("megatron_tlt.rl", "megatron_tlt.spec", "megatron_tlt.drafter")
     assert not [name for name in imported if name.startswith(components)], imported
+
+
+def test_help_config_prints_every_key_with_its_type_default_and_docstring(capsys):
+    from megatron_tlt.cli import main
+
+    assert main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    for key in valid_keys():
+        assert f"  {key} (" in out, key
+    assert "  rollout.temperature (float, default 1.0)" in out
+    assert "  speculation.depths (list[int] | None, default null)" in out
+    assert "The arms (depths K, 0 = off); default 0..drafter.speculative_tokens." in out
+    assert "  rollout.engine.tensor_parallel_size (int | None, default null)" in out
+    assert "GRPO group size n." in out and "\nspeculation: BEG-MAB" in out
 
 
 def test_the_build_keys_become_the_policy_build_options():
