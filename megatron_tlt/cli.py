@@ -27,7 +27,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         print(describe_keys())
         return 0
-    from megatron_tlt.rl.run import start_run
+    from megatron_tlt.commands.start import start_run
 
     run_dir, records = start_run(args.config, args.overrides, resume_dir=args.resume)
     if records:
@@ -47,8 +47,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_warmup_drafter(args: argparse.Namespace) -> int:
-    from megatron_tlt.drafter.cold_start_settings import ColdStartSettings
-    from megatron_tlt.rl.run import start_drafter_warmup
+    from megatron_tlt.commands.start import start_drafter_warmup
+    from megatron_tlt.commands.warmup_settings import ColdStartSettings
 
     settings = ColdStartSettings(prompts=args.prompts, eval_prompts=args.eval_prompts, epochs=args.epochs,
                                  draft_tokens=args.draft_tokens)
@@ -65,8 +65,8 @@ def _cmd_warmup_drafter(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_rollout(args: argparse.Namespace) -> int:
-    from megatron_tlt.rl.run import start_rollout_bench
-    from megatron_tlt.spec.rollout_bench import RolloutBenchSettings, format_figures, write_figures
+    from megatron_tlt.commands.bench_rollout import RolloutBenchSettings, format_figures, write_figures
+    from megatron_tlt.commands.start import start_rollout_bench
 
     try:
         depths = tuple(int(k) for k in args.depths.split(","))

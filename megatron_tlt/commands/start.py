@@ -12,6 +12,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from megatron_tlt import layout_rules
 from megatron_tlt.commands.warmup_settings import ColdStartSettings
 from megatron_tlt.config import load_config, to_yaml, world_size
 from megatron_tlt.launcher import launched_rank
@@ -34,7 +35,7 @@ def _load(config_name: str | None, overrides: list[str], resume_dir: str | None)
 
 
 def _check_layout(config) -> None:
-    """TP must divide the heads and PP the layers of the policy the run will train."""
+    """Every layout rule of the run for the policy it will train (``layout_rules``, which tlt plan shares)."""
     from megatron_tlt.model_config import load_architecture
     from megatron_tlt.rl import tiny_default
     from megatron_tlt.tokenizer import load_tokenizer
@@ -44,8 +45,7 @@ def _check_layout(config) -> None:
         arch = tiny_default.policy_architecture(load_tokenizer(tokenizer_dir))
     else:
         arch = load_architecture(config.model.hf_dir)
-    arch.validate_layout(tensor_parallel_size=config.parallel.tensor_parallel_size,
-                         pipeline_parallel_size=config.parallel.pipeline_parallel_size)
+    layout_rules.check_run_layout(config, arch)
 
 
 def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str | None = None):

@@ -57,11 +57,6 @@ class EnginePlacement:
         return list(per_mp_rank[:: self.tensor_parallel_size])
 
 
-def resolve_engine_tensor_parallel_size(configured: int | None, policy_tensor_parallel_size: int) -> int:
-    """``layout_rules.resolve_engine_tp`` under its old name, for callers not yet switched to it."""
-    return resolve_engine_tp(configured, policy_tensor_parallel_size)
-
-
 def engine_placement(engine_tensor_parallel_size: int) -> EnginePlacement:
     """This rank's placement (Megatron's groups must exist)."""
     import torch.distributed as dist

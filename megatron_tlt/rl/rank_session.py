@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_tlt import mcore
+from megatron_tlt import layout_rules, mcore
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES
 from megatron_tlt.rl import policy_source
@@ -45,8 +45,7 @@ class RankSession:
                  ddp: bool = False, show_progress: bool = False):
         self.config = config
         self.task = task = load_task(config)
-        stage = mcore.stage_info()
-        task.arch.validate_layout(tensor_parallel_size=stage.tp_size, pipeline_parallel_size=stage.pp_size)
+        layout_rules.check_run_layout(config, task.arch)
         self.initial_source = (Path(policy_dir) if policy_dir is not None else policy_source.initial_policy_dir(
             config, task.tokenizer, task.arch, show_progress=show_progress))
         model = policy_source.load_policy(config, task.arch, resume_dir or self.initial_source)

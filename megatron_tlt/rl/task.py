@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_tlt.config import TLTConfig
+from megatron_tlt.config import RolloutEngineConfig, TLTConfig
+from megatron_tlt.layout_rules import resolve_engine_tp
 from megatron_tlt.model_config import PolicyArchitecture, load_architecture
 from megatron_tlt.rl import tiny_default
-from megatron_tlt.rl.engine_placement import resolve_engine_tensor_parallel_size
 from megatron_tlt.rl.data import PromptDataConfig, PromptDataset, PromptExample, load_prompt_dataset
-from megatron_tlt.spec.engine import RolloutEngineConfig, SamplingSettings
+from megatron_tlt.spec.engine import SamplingSettings
 from megatron_tlt.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -49,7 +49,7 @@ def load_task(config: TLTConfig) -> Task:
 def engine_config_for(config: TLTConfig, task: Task) -> RolloutEngineConfig:
     """The configured engine, its context length defaulting to the longest prompt plus a full response
     and its tensor parallelism to the policy's."""
-    engine_config = dataclasses.replace(config.rollout.engine, tensor_parallel_size=resolve_engine_tensor_parallel_size(
+    engine_config = dataclasses.replace(config.rollout.engine, tensor_parallel_size=resolve_engine_tp(
         config.rollout.engine.tensor_parallel_size, config.parallel.tensor_parallel_size))
     if engine_config.max_model_len is None:
         longest_prompt = max(len(e.prompt_ids) for e in task.dataset.examples + tuple(task.held_out))

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_tlt import layout_rules
 from megatron_tlt.config import RolloutEngineConfig, SpeculationConfig
 from megatron_tlt.model_config import PolicyArchitecture
 from megatron_tlt.spec.cuda_graphs import speculation_schedule
@@ -174,8 +175,8 @@ def _check_engine_layout(arch: PolicyArchitecture, tensor_parallel_size: int) ->
     if world % tensor_parallel_size:
         raise EngineError(f"engine tensor_parallel_size {tensor_parallel_size} does not divide the world of {world} ranks")
     try:
-        arch.validate_layout(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=1)
-    except ValueError as err:
+        layout_rules.check_engine_model(arch, engine_tp=tensor_parallel_size)
+    except layout_rules.LayoutError as err:
         raise EngineError(f"rollout engine: {err}") from None
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_tlt.config import ConfigError, load_config
 from megatron_tlt.layout_rules import LayoutError, resolve_engine_tp
-from megatron_tlt.rl.engine_placement import placement_of, resolve_engine_tensor_parallel_size
+from megatron_tlt.rl.engine_placement import placement_of
 
 
 def _megatron_model_parallel_groups(tp: int, pp: int, dp: int) -> list[list[int]]:
@@ -48,11 +48,8 @@ def test_held_out_prompts_are_split_over_every_engine_of_the_world():
 def test_engine_size_defaults_to_the_policy_tp_and_must_divide_it():
     assert resolve_engine_tp(None, 8) == 8
     assert resolve_engine_tp(2, 8) == 2
-    assert resolve_engine_tensor_parallel_size(2, 8) == 2  # the old name, for callers not yet switched
     for bad in (0, 3, 16):
         with pytest.raises(LayoutError, match="must be >= 1 and divide parallel.tensor_parallel_size 8"):
             resolve_engine_tp(bad, 8)
-        with pytest.raises(LayoutError, match="must be >= 1 and divide parallel.tensor_parallel_size 8"):
-            resolve_engine_tensor_parallel_size(bad, 8)
     with pytest.raises(ConfigError, match="rollout.engine.tensor_parallel_size 4 must be >= 1 and divide"):
         load_config("tiny", ["parallel.tensor_parallel_size=2", "rollout.engine.tensor_parallel_size=4"])
