@@ -166,9 +166,12 @@ exit "$rc"
 if [[ $1 == show ]]; then for i in 1 2 3 4 5 6 7 8; do echo "gpu-node$i"; done; exit 0; fi
 echo "scontrol $*" >>"$FAKE_LOG"
 """,
+        # with FAKE_RELEASE set, a rank runs until that file appears (at most 60 s)
         "torchrun": """#!/usr/bin/env bash
 echo "torchrun $*" >>"$FAKE_LOG"
-sleep "${FAKE_SLEEP:-0}"
+if [[ -n ${FAKE_RELEASE:-} ]]; then
+  for ((i = 0; i < 1200; i++)); do [[ -e $FAKE_RELEASE ]] && break; sleep 0.05; done
+fi
 """,
         # python: only the `tlt plan` calls reach it on the batch node.
         "fake-python": """#!/usr/bin/env bash
@@ -220,18 +223,29 @@ def test_slurm_job_aborts_before_launching_when_tlt_plan_refuses(fake_slurm):
     assert not any(line.startswith("torchrun") for line in log.read_text().splitlines())
 
 
+def _wait_until_logged(log: Path, text: str, limit_s: float = 60) -> None:
+    deadline = time.monotonic() + limit_s  # a hang guard: it is logged within a second
+    while not (log.exists() and text in log.read_text()):
+        assert time.monotonic() < deadline, f"{text!r} not logged within {limit_s} s"
+        time.sleep(0.05)
+
+
 def test_slurm_job_requeues_itself_on_the_time_limit_warning(fake_slurm):
+    # The ranks (stand-ins) run until the test releases them, after the requeue: the signal surely comes
+    # while they run (it was a race with a 3 s sleep).
     env, log = fake_slurm
-    env["FAKE_SLEEP"] = "3"
+    release = log.parent / "release-ranks"
+    env["FAKE_RELEASE"] = str(release)
     job = subprocess.Popen([str(SLURM_SCRIPT)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (log.exists() and "torchrun" in log.read_text()):
-            time.sleep(0.1)
+        _wait_until_logged(log, "torchrun")
         job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 delivers
-        out, err = job.communicate(timeout=30)
+        _wait_until_logged(log, "scontrol requeue")
+        release.touch()
+        out, err = job.communicate(timeout=60)
     finally:
+        release.touch()
         job.kill()
     assert "scontrol requeue 4242" in log.read_text().splitlines(), err
     assert "requeueing job 4242" in err
