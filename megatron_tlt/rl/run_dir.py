@@ -42,7 +42,7 @@ def prepare_new_run_dir(run_dir: Path, config_yaml: str) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Old name of ``atomic_files.write_text_atomic``, kept until rl/trainer.py and rl/run.py call that."""
+    """Old name of ``atomic_files.write_text_atomic``, kept until rl/trainer.py and commands/start.py call that."""
     write_text_atomic(path, text)
 
 
