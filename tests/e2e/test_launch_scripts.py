@@ -37,7 +37,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(args, env, timeout=120):
+def _run(args, env, timeout=840):  # a hang guard only (a dry run took 9 s under load)
     return subprocess.run([str(a) for a in args], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 
