@@ -130,6 +130,7 @@ def check_output_dir(out_dir: str | Path) -> Path:
 
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: str | Path) -> Iterator[Path]:
-    """Old name of ``atomic_files.atomic_dir(check_output_dir(out_dir))``, kept until its callers use that."""
+    """A new output directory written atomically: refused if it exists and is not empty
+    (``check_output_dir``), staged beside it and renamed into place when the block succeeds."""
     with atomic_dir(check_output_dir(out_dir)) as staging:
         yield staging

@@ -12,7 +12,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from megatron_tlt import layout_rules
+from megatron_tlt import atomic_files, layout_rules
 from megatron_tlt.commands.warmup_settings import ColdStartSettings
 from megatron_tlt.config import load_config, to_yaml, world_size
 from megatron_tlt.launcher import launched_rank
@@ -69,7 +69,7 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
             raise run_files.RunDirError(f"{run_dir}: no complete checkpoint to resume from")
         config.trainer.run_dir = str(run_dir)
         if writer:
-            run_files.write_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))  # overrides (e.g. more steps) stick
+            atomic_files.write_text_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))  # overrides (e.g. more steps) stick
     else:
         if under_torchrun and config.trainer.run_dir is None and world_size(config) > 1:
             raise run_files.RunDirError("under torchrun set trainer.run_dir (a directory every rank sees): "

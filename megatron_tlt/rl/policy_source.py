@@ -8,15 +8,13 @@ kept as an ordinary policy checkpoint in the cache, so it also converts with ``t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatron_tlt import mcore, policy, policy_meta
+from megatron_tlt import atomic_files, mcore, policy, policy_meta
 from megatron_tlt.build_options import BuildOptions
 from megatron_tlt.config import TLTConfig, build_options
 from megatron_tlt.hf_io import HFCheckpointReader
@@ -76,16 +74,16 @@ def _warm_up_tiny_policy(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyAr
     if progress is not None:
         progress.close()
     # Same staging name on every rank (the save is collective), unique to this cache entry.
-    staging = final.parent / f".{final.name}.{hashlib.sha1(str(final).encode()).hexdigest()[:8]}.tmp"
-    if dist.get_rank() == 0 and staging.exists():
-        shutil.rmtree(staging)
+    staging = atomic_files.staging_path(final)
+    if dist.get_rank() == 0:
+        atomic_files.remove(staging)
     dist.barrier()
     policy.save_policy_checkpoint(ddp, staging, checkpoint_meta(arch, config.model.dtype))
     # Kept so RL can continue this optimizer (see RLTrainer): its second moments scale RL's first steps.
     checkpoint.save_optimizer_state(staging, optimizer, mcore.data_parallel_rank())
     dist.barrier()
     if dist.get_rank() == 0:
-        tiny_default.publish_dir(staging, final)
+        atomic_files.publish(staging, final, if_exists="keep")  # another process made it first: keep theirs
     dist.barrier()
 
 

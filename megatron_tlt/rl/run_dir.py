@@ -41,11 +41,6 @@ def prepare_new_run_dir(run_dir: Path, config_yaml: str) -> None:
     write_text_atomic(run_dir / CONFIG_FILE, config_yaml)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Old name of ``atomic_files.write_text_atomic``, kept until rl/trainer.py and commands/start.py call that."""
-    write_text_atomic(path, text)
-
-
 def _json_safe(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None

@@ -61,12 +61,6 @@ def cache_key(**parts) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def publish_dir(staging: Path, final: Path) -> Path:
-    """Old name of ``atomic_files.publish(staging, final, if_exists="keep")``, kept until
-    rl/policy_source.py calls that: if another process made the cache entry first, keep theirs."""
-    return atomic_files.publish(staging, final, if_exists="keep")
-
-
 def ensure_tokenizer(root: Path) -> Path:
     """The task tokenizer's directory, trained on first use (about a tenth of a second)."""
     final = root / f"tokenizer-{cache_key(kind='tokenizer', seed=TOKENIZER_SEED)}"

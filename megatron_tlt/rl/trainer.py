@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_tlt import mcore
+from megatron_tlt import atomic_files, mcore
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.device import module_device
 from megatron_tlt.drafter.tlt_drafter import TailReport, TLTDrafter
@@ -373,7 +373,7 @@ class RLTrainer:
     def _log_eval(self, step: int, metrics: dict[str, float] | None) -> None:
         if self.reporter is not None and metrics:
             self.reporter.log_eval(step, metrics)
-            run_files.write_atomic(self.run_dir / run_files.EVAL_BEFORE_RL_FILE, json.dumps(metrics, indent=1))
+            atomic_files.write_text_atomic(self.run_dir / run_files.EVAL_BEFORE_RL_FILE, json.dumps(metrics, indent=1))
 
     def close(self) -> None:
         if self.drafter is not None:
