@@ -121,11 +121,6 @@ class TLTDrafter:
 
     # ------------------------------------------------------------------ log-prob pass and sync
 
-    @property
-    def max_feature_rows(self) -> int:
-        """Features worth capturing in one log-prob pass: what the buffer keeps."""
-        return self.trainer.buffer_tokens
-
     def add_features(self, token_ids: list[list[int]], features: list[torch.Tensor]) -> None:
         if features:
             self.trainer.add_sequences(token_ids, features)
@@ -140,7 +135,7 @@ class TLTDrafter:
         self.trainer.set_policy_heads(hf_tensors)
 
     def export_tensors(self) -> dict[str, torch.Tensor]:
-        return self.trainer.drafter.export_tensors()
+        return self.trainer.export_tensors()
 
     # ------------------------------------------------------------------ checkpoints
 
