@@ -312,7 +312,7 @@ class RolloutEngine:
             outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                          use_tqdm=False)
         seconds = time.perf_counter() - started
-        scheduler = self._adaptive_scheduler()
+        scheduler = self.adaptive_scheduler()
         return RolloutResult(
             step_depths=[depth for _, depth in scheduler.drain_step_log()] if scheduler is not None else [],
             step_batch_sizes=[batch for batch, _ in steps],
@@ -347,7 +347,7 @@ class RolloutEngine:
         finally:
             del engine.step  # back to the class method
 
-    def _adaptive_scheduler(self):
+    def adaptive_scheduler(self):
         """The engine's BEG-MAB scheduler (in this process), or None where the depth is fixed."""
         if self.speculative is None or self.speculative.adaptive is None:
             return None
@@ -355,22 +355,22 @@ class RolloutEngine:
 
     def bandit_summary(self) -> dict:
         """Per bucket: the best depth so far, pulls and median reward per depth ({} without BEG-MAB)."""
-        scheduler = self._adaptive_scheduler()
+        scheduler = self.adaptive_scheduler()
         return scheduler.bandit.summary() if scheduler is not None else {}
 
     def bandit_state(self) -> dict | None:
-        scheduler = self._adaptive_scheduler()
+        scheduler = self.adaptive_scheduler()
         return scheduler.bandit.state_dict() if scheduler is not None else None
 
     def load_bandit_state(self, state: dict) -> None:
-        scheduler = self._adaptive_scheduler()
+        scheduler = self.adaptive_scheduler()
         if scheduler is None:
             raise EngineError("BEG-MAB is off in this engine: there is no bandit state to load")
         scheduler.bandit.load_state_dict(state)
 
     def pin_speculation_depth(self, depth: int | None) -> None:
         """Run every step at ``depth`` instead of the bandit's choice (None: back to the bandit)."""
-        scheduler = self._adaptive_scheduler()
+        scheduler = self.adaptive_scheduler()
         if scheduler is None:
             raise EngineError("pinning a depth needs an engine built with BEG-MAB (SpeculativeSettings.adaptive)")
         scheduler.pin_depth(depth)
