@@ -11,6 +11,10 @@ from megatron_tlt.launcher import silence_known_dependency_warnings
 
 silence_known_dependency_warnings()
 warnings.filterwarnings("ignore", category=DeprecationWarning)
+# In-process tests run one at a time on a 2-core machine that CI shares: torch's default of a thread per
+# core makes every op wait for a busy core (an Adam test took 78 s under load, 6.9 s on one thread).
+# Ranks that tests spawn set their own share (launcher._threads_per_rank).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
