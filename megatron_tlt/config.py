@@ -268,8 +268,17 @@ class DrafterConfig:
     """auto (FP8 via Transformer Engine where the GPU and TE allow, else bf16 on GPU, fp32 on CPU), fp32, bf16, fp8."""
     init_dir: str | None = None
     """Start from this EAGLE drafter directory (e.g. made by ``tlt warmup-drafter``) instead of random weights."""
+    probe_prompts: int = 4
+    """While speculating: after every policy sync and drafter push, each engine answers this many fixed
+    prompts greedily at full depth, and an acceptance below ``acceptance_alarm`` is an ERROR line and
+    counts in ``spec/acceptance_alarms`` (a drafter lost or broken in the push). 0: no probe."""
+    acceptance_alarm: float = 0.05
+    """Accepted share of the probe's draft tokens below which the alarm fires."""
 
     def __post_init__(self) -> None:
+        if self.probe_prompts < 0 or not 0.0 <= self.acceptance_alarm <= 1.0:
+            raise ConfigError(f"drafter.probe_prompts must be >= 0 and acceptance_alarm in [0, 1], got "
+                              f"{self.probe_prompts}, {self.acceptance_alarm}")
         if self.speculative_tokens < 0 or self.buffer_tokens < 1 or self.pack_tokens < 1:
             raise ConfigError(f"drafter.speculative_tokens must be >= 0 and buffer_tokens, pack_tokens >= 1, got "
                               f"{self.speculative_tokens}, {self.buffer_tokens}, {self.pack_tokens}")

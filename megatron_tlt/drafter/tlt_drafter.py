@@ -101,7 +101,8 @@ class TLTDrafter:
         if k == 0:
             return None
         adaptive = self.config.speculation if self.config.speculation.adaptive else None
-        return SpeculativeSettings(num_speculative_tokens=k, adaptive=adaptive, seed=self.config.trainer.seed)
+        return SpeculativeSettings(num_speculative_tokens=k, adaptive=adaptive, seed=self.config.trainer.seed,
+                                   acceptance_alarm_threshold=self.config.drafter.acceptance_alarm)
 
     def trains_in(self, step: int) -> bool:
         """Whether the spot trainer works in (1-based) ``step``: every step, or the even or odd ones only

@@ -9,6 +9,7 @@ the policy's embedding and LM head for a drafter that trains, and pushes the dra
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Protocol
 
@@ -75,16 +76,29 @@ class RankSession:
         self.engines.append(engine)
         return engine
 
-    def sync(self, engine: RolloutEngine, drafter: EngineDrafter | None = None) -> SyncStats:
+    def sync(self, engine: RolloutEngine, drafter: EngineDrafter | None = None, *, probe: bool = False) -> SyncStats:
         """Stream the policy into ``engine`` (collective); hand ``drafter`` the policy's heads if it trains,
-        and push it into a speculating engine after the reload."""
+        and push it into a speculating engine after the reload. With ``probe``, a speculating engine then
+        answers ``drafter.probe_prompts`` fixed prompts greedily and raises its alarm if acceptance
+        collapsed (``SyncStats.probe`` and ``alarm``)."""
         keep = POLICY_HEAD_NAMES if drafter is not None and drafter.wants_policy_heads else frozenset()
         stats = sync_policy_to_engine(self.model, self.arch, engine, padded_vocab_size=self.padded_vocab, keep=keep)
         if keep:  # the drafter trains with the policy's current embedding and LM head
             drafter.set_policy_heads(stats.kept)
         if drafter is not None and engine.speculative is not None:  # the reload must not lose the drafter
             engine.load_drafter(drafter.export_tensors())
+        if probe and engine.speculative is not None and self.probe_prompts:
+            alarms = engine.acceptance_alarms
+            probe = engine.probe_acceptance(self.probe_prompts)
+            stats = dataclasses.replace(stats, probe=probe, alarm=engine.acceptance_alarms > alarms)
         return stats
+
+    @property
+    def probe_prompts(self) -> list[tuple[int, ...]]:
+        """The acceptance probe's prompts: the first held-out ones (training prompts where none are held out),
+        the same in every step so that probes compare across steps."""
+        examples = self.task.held_out or self.task.dataset.examples
+        return [e.prompt_ids for e in examples[: self.config.drafter.probe_prompts]]
 
     def sampling(self, *, n: int, temperature: float, seed: int | None) -> SamplingSettings:
         return sampling_settings(self.config, self.tokenizer, n=n, temperature=temperature, seed=seed)

@@ -2,8 +2,9 @@
 
 Each rank sends a ``RankStepReport`` to rank 0 at the end of the step; ``step_record`` reduces them:
 rewards and lengths over the samples each engine's leader reports (none counts twice), phase times as
-the slowest rank's, the rollout's idle shares per rank, the engines' speculation figures and the
-drafter's (``drafter/tlt_drafter.summary_fields``).
+the slowest rank's, the rollout's idle shares per rank, the engines' speculation figures, their
+acceptance probes after the sync (``spec/probe_acceptance_rate``; ``spec/acceptance_alarms`` counts the
+engines whose probe found acceptance collapsed) and the drafter's (``drafter/tlt_drafter.summary_fields``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class RankStepReport:
     """What the drafter did in the rollout's tail (None: it did not train this step)."""
     hidden_tokens: int
     """Drafter feature rows the log-prob pass captured, counted once per replica."""
+    probe: SpecDecodeStats | None = None
+    """The acceptance probe after the step's sync and drafter push, from the engine's leader only."""
+    alarm: bool = False
+    """Whether that probe raised the collapse alarm (leader only)."""
 
 
 def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb_s: float,
@@ -68,6 +73,7 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
     }
     record.update({f"update/{k}": v for k, v in update.items()})
     record.update(_speculation_fields(per_rank))
+    record.update(_probe_fields(per_rank))
     record.update(summary_fields([p.tail for p in per_rank], timelines))
     return record
 
@@ -88,3 +94,12 @@ def _speculation_fields(per_rank: list[RankStepReport]) -> dict:
         record["spec/best_depth_by_bucket"] = [{bucket: s["best"] for bucket, s in p.bandit.items()}
                                                for p in engines]
     return record
+
+
+def _probe_fields(per_rank: list[RankStepReport]) -> dict:
+    probes = [p.probe for p in per_rank if p.probe is not None]
+    if not probes:
+        return {}
+    drafted = sum(s.num_draft_tokens for s in probes)
+    return {"spec/probe_acceptance_rate": sum(s.num_accepted_tokens for s in probes) / max(1, drafted),
+            "spec/acceptance_alarms": sum(p.alarm for p in per_rank)}

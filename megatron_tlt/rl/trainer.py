@@ -42,6 +42,7 @@ from megatron_tlt.rl.rewards import get_reward_fn
 from megatron_tlt.rl.sampler import PromptSampler
 from megatron_tlt.rl.step_record import RankStepReport, step_record
 from megatron_tlt.rl.update import PolicySequence, policy_update_step
+from megatron_tlt.rl.weight_sync import SyncStats
 from megatron_tlt.timeline import BUSY, IDLE, RankTimeline
 
 logger = logging.getLogger(__name__)
@@ -269,9 +270,9 @@ class RLTrainer:
                     metrics.setdefault(key, []).append(value)
         return {key: statistics.fmean(values) for key, values in metrics.items()}
 
-    def _sync(self, timeline: RankTimeline) -> float:
+    def _sync(self, timeline: RankTimeline) -> SyncStats:
         with timeline.phase("sync"):
-            return self.session.sync(self.engine, self.drafter).gb_per_s
+            return self.session.sync(self.engine, self.drafter, probe=True)
 
     def train_step(self, step: int) -> tuple[dict, list[dict]] | None:
         """One RL step (collective); returns on rank 0 the summary record and the step's timeline spans,
@@ -289,17 +290,17 @@ class RLTrainer:
         old, ref, feature_rows = self._logprob_pass(sequences, timeline, train_drafter)
         update_metrics = self._update(samples, sequences, advantages, old, ref, timeline)
         self.engine.resume_memory()
-        sync_gb_s = self._sync(timeline)
-        report = self._report(own, result, timeline, dropped_groups, tail, feature_rows)
+        synced = self._sync(timeline)
+        report = self._report(own, result, timeline, dropped_groups, tail, feature_rows, synced)
         gathered = [None] * self.world if self.is_reporter else None
         dist.gather_object(report, gathered, dst=0)
         if not self.is_reporter:
             return None
-        record = step_record(step + 1, gathered, update_metrics, sync_gb_s, time.time() - step_start)
+        record = step_record(step + 1, gathered, update_metrics, synced.gb_per_s, time.time() - step_start)
         return record, [span for r in gathered for span in r.timeline.to_records(step + 1)]
 
     def _report(self, own: list[Sample], result, timeline: RankTimeline, dropped_groups: int,
-                tail: TailReport | None, feature_rows: int) -> RankStepReport:
+                tail: TailReport | None, feature_rows: int, synced: SyncStats) -> RankStepReport:
         leader = self.placement.is_leader  # an engine's figures, once: from its leader
         return RankStepReport(
             timeline=timeline, rewards=[s.reward for s in own], correct=[s.correct for s in own],
@@ -308,6 +309,7 @@ class RLTrainer:
             spec=result.spec if result is not None and leader else None,
             step_depths=result.step_depths if result is not None and leader else [],
             bandit=self.engine.bandit_summary() if leader else None, tail=tail,
+            probe=synced.probe if leader else None, alarm=synced.alarm and leader,
             # counted once per replica: the last stage's TP ranks hold the same features
             hidden_tokens=feature_rows if mcore.stage_info().tp_rank == 0 else 0)
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_tlt import mcore, weights
 from megatron_tlt.device import module_device
 from megatron_tlt.model_config import PolicyArchitecture
+from megatron_tlt.spec.metrics import SpecDecodeStats
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 
@@ -37,6 +38,10 @@ class SyncStats:
     num_buckets: int
     kept: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Copies of the tensors the caller asked to keep, by HF name."""
+    probe: SpecDecodeStats | None = None
+    """The acceptance probe that followed the sync and drafter push (``RankSession.sync``), if one ran."""
+    alarm: bool = False
+    """Whether that probe found acceptance collapsed."""
 
     @property
     def gb_per_s(self) -> float:
@@ -127,13 +132,11 @@ def iter_hf_tensors(model: torch.nn.Module, arch: PolicyArchitecture, *, padded_
 
 
 def sync_policy_to_engine(model: torch.nn.Module, arch: PolicyArchitecture, engine, *, padded_vocab_size: int,
-                          bucket_bytes: int = DEFAULT_BUCKET_BYTES, probe_prompts=None,
-                          keep: frozenset[str] = frozenset()) -> SyncStats:
+                          bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep: frozenset[str] = frozenset()) -> SyncStats:
     """Stream the current policy into this rank's engine (collective over all ranks).
 
-    With ``probe_prompts`` and speculation on, a short greedy probe follows the sync so that a
-    drafter silently lost in the reload raises the engine's acceptance alarm at once. Copies of the
-    HF tensors named in ``keep`` (e.g. the embedding the drafter needs) are returned in ``SyncStats.kept``.
+    Copies of the HF tensors named in ``keep`` (e.g. the embedding the drafter needs) are returned in
+    ``SyncStats.kept``. The acceptance probe comes after the drafter push (``RankSession.sync``).
     """
     buckets = _plan_buckets(arch, mcore.stage_info().pp_size, padded_vocab_size, _element_size(model), bucket_bytes)
     moved = {"bytes": 0}
@@ -149,6 +152,4 @@ def sync_policy_to_engine(model: torch.nn.Module, arch: PolicyArchitecture, engi
     started = time.perf_counter()
     engine.load_weights(counted())
     seconds = time.perf_counter() - started
-    if probe_prompts and engine.speculative is not None:
-        engine.probe_acceptance(probe_prompts)
     return SyncStats(num_bytes=moved["bytes"], seconds=seconds, num_buckets=len(buckets), kept=kept)

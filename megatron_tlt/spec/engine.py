@@ -414,9 +414,18 @@ class RolloutEngine:
         """Greedy probe after a policy sync or drafter push; raises the alarm if acceptance collapsed.
 
         Peers lost drafter weights silently after a weight sync (acceptance fell to ~0): this is
-        the check that makes such a loss loud (an ERROR log line and ``acceptance_alarms`` += 1).
+        the check that makes such a loss loud (an ERROR log line and ``acceptance_alarms`` += 1). With
+        BEG-MAB the probe runs at full depth (the bandit might choose none) and teaches the bandit nothing.
         """
-        stats = self.generate(prompts, SamplingSettings(temperature=0.0, max_tokens=max_tokens)).spec
+        scheduler = self.adaptive_scheduler()
+        pinned = scheduler.pinned_depth if scheduler is not None else None
+        if scheduler is not None:
+            scheduler.pin_depth(self.speculative.num_speculative_tokens)
+        try:
+            stats = self.generate(prompts, SamplingSettings(temperature=0.0, max_tokens=max_tokens)).spec
+        finally:
+            if scheduler is not None:
+                scheduler.pin_depth(pinned)
         if self.speculative is not None and acceptance_collapsed(stats, self.speculative.acceptance_alarm_threshold):
             self.acceptance_alarms += 1
             logger.error(

@@ -339,6 +339,30 @@ def test_warmup_drafter_distils_the_policy_into_a_servable_drafter_that_agrees_m
     assert info["mean_acceptance_length_after"] > info["mean_acceptance_length_before"]
 
 
+def test_a_drafter_pushed_with_wrong_weights_raises_the_acceptance_alarm_in_every_step(env, warmed_drafter, tmp_path):
+    """Peers lost drafter weights in a weight sync without a sound (acceptance fell to ~0). All-zero weights
+    are such a loss: the drafter then proposes token 0, which the policy never picks, so no draft is
+    accepted, and the probe after each step's sync and push must say so."""
+    from safetensors.torch import load_file, save_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    zeroed = tmp_path / "zeroed-drafter"
+    shutil.copytree(warmed_drafter[0], zeroed)
+    tensors = load_file(zeroed / "model.safetensors")
+    save_file({name: t.zero_() for name, t in tensors.items()}, zeroed / "model.safetensors")
+    run_dir = tmp_path / "wrong-drafter"
+    result = _train(env, *SMALL, "trainer.steps=2", "drafter.speculative_tokens=2", f"drafter.init_dir={zeroed}",
+                    "drafter.probe_prompts=2", f"trainer.run_dir={run_dir}")
+    # the first sync (into the new engines) and each step's, in each rank's engine
+    assert result.stderr.count("speculative acceptance collapsed") == (1 + 2) * 2
+    records = _summary(run_dir)
+    assert [r["spec/acceptance_alarms"] for r in records] == [2, 2]
+    assert all(r["spec/probe_acceptance_rate"] == 0.0 for r in records)
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("spec/acceptance_alarms")] == [2.0, 2.0]
+
+
 def test_warmup_drafter_refuses_bad_input_before_starting_ranks(env, tmp_path):
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -362,6 +386,7 @@ def test_speculative_rollouts_with_beg_mab_report_depths_and_keep_the_bandit_acr
            "drafter.spot_duty_cycle=1.0", f"trainer.run_dir={run_dir}")
     records = _summary(run_dir)
     assert all(1.0 <= r.get("spec/mean_acceptance_length", 1.0) <= 3.0 for r in records)
+    assert all(0.0 <= r["spec/probe_acceptance_rate"] <= 1.0 for r in records)  # probed after every sync
     assert all(len(r["drafter/tokens_trained"]) == 2 and not r["drafter/failed"] for r in records)
     assert records[1]["drafter/tokens_trained"][0] > 0  # the drafter trains while speculation runs with it
     for record in records:  # every engine step ran at a depth the bandit may choose, logged per step

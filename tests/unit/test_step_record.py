@@ -1,0 +1,32 @@
+"""The step's summary record from the ranks' reports: here, the acceptance probe's fields."""
+
+from megatron_tlt.rl.step_record import RankStepReport, step_record
+from megatron_tlt.spec.metrics import SpecDecodeStats
+from megatron_tlt.timeline import BUSY, RankTimeline
+
+
+def _report(rank: int, probe: SpecDecodeStats | None = None, alarm: bool = False) -> RankStepReport:
+    timeline = RankTimeline(rank)
+    for start, phase in enumerate(("rollout", "reward", "logprob", "update", "sync")):
+        timeline.add(phase, BUSY, float(start), start + 1.0)
+    return RankStepReport(timeline=timeline, rewards=[1.0, 0.0], correct=[True, False], lengths=[3, 5],
+                          truncated=[False, False], dropped_groups=0, spec=None, step_depths=[], bandit=None,
+                          tail=None, hidden_tokens=0, probe=probe, alarm=alarm)
+
+
+def _record(*reports: RankStepReport) -> dict:
+    return step_record(1, list(reports), update={}, sync_gb_s=1.0, step_seconds=5.0)
+
+
+def test_the_probe_pools_every_engines_drafts_and_counts_the_engines_that_raised_the_alarm():
+    healthy = SpecDecodeStats(num_drafts=10, num_draft_tokens=30, num_accepted_tokens=15)
+    lost = SpecDecodeStats(num_drafts=10, num_draft_tokens=30, num_accepted_tokens=0)
+    # rank 1 is a follower of rank 0's engine: it reports no probe of its own
+    record = _record(_report(0, healthy), _report(1), _report(2, lost, alarm=True))
+    assert record["spec/probe_acceptance_rate"] == 15 / 60
+    assert record["spec/acceptance_alarms"] == 1
+
+
+def test_without_a_probe_the_record_has_no_probe_fields():
+    record = _record(_report(0), _report(1))
+    assert "spec/probe_acceptance_rate" not in record and "spec/acceptance_alarms" not in record
