@@ -53,6 +53,7 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
         "reward_mean": statistics.fmean(rewards),
         "accuracy": statistics.fmean(float(c) for p in per_rank for c in p.correct),
         "response_length_mean": statistics.fmean(lengths),
+        "response_length_median": statistics.median(lengths),
         "response_length_max": max(lengths),
         "truncated_share": statistics.fmean(float(c) for p in per_rank for c in p.truncated),
         "num_samples": len(rewards),

@@ -1,4 +1,4 @@
-"""The step's summary record from the ranks' reports: here, the acceptance probe's fields."""
+"""The step's summary record from the ranks' reports: response lengths and the acceptance probe's fields."""
 
 from megatron_tlt.rl.step_record import RankStepReport, step_record
 from megatron_tlt.spec.metrics import SpecDecodeStats
@@ -30,3 +30,8 @@ def test_the_probe_pools_every_engines_drafts_and_counts_the_engines_that_raised
 def test_without_a_probe_the_record_has_no_probe_fields():
     record = _record(_report(0), _report(1))
     assert "spec/probe_acceptance_rate" not in record and "spec/acceptance_alarms" not in record
+
+
+def test_response_lengths_pool_every_ranks_samples():
+    record = _record(_report(0), _report(1))  # lengths 3 and 5 on each rank
+    assert (record["response_length_median"], record["response_length_mean"], record["response_length_max"]) == (4, 4, 5)
