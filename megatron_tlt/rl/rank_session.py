@@ -89,8 +89,8 @@ class RankSession:
             engine.load_drafter(drafter.export_tensors())
         if probe and engine.speculative is not None and self.probe_prompts:
             alarms = engine.acceptance_alarms
-            probe = engine.probe_acceptance(self.probe_prompts)
-            stats = dataclasses.replace(stats, probe=probe, alarm=engine.acceptance_alarms > alarms)
+            probed = engine.probe_acceptance(self.probe_prompts)
+            stats = dataclasses.replace(stats, probe=probed, alarm=engine.acceptance_alarms > alarms)
         return stats
 
     @property
