@@ -6,8 +6,7 @@ import os
 _FAULT_AT = int(os.environ.get("TLT_TEST_DRAFTER_FAULT_AT", "0"))
 
 if _FAULT_AT > 0:
-    import importlib.abc
-    import sys
+    from patch_on_import import patch_after_import
 
     def _inject(module) -> None:
         original = module.DrafterTrainer.micro_step
@@ -21,24 +20,4 @@ if _FAULT_AT > 0:
 
         module.DrafterTrainer.micro_step = failing_micro_step
 
-    class _PatchOnImport(importlib.abc.MetaPathFinder):
-        """Patches megatron_tlt.drafter.trainer right after it is first imported."""
-
-        def find_spec(self, name, path, target=None):
-            if name != "megatron_tlt.drafter.trainer":
-                return None
-            sys.meta_path.remove(self)
-            import importlib.util
-
-            spec = importlib.util.find_spec(name)
-            loader = spec.loader
-            exec_module = loader.exec_module
-
-            def exec_and_patch(module):
-                exec_module(module)
-                _inject(module)
-
-            loader.exec_module = exec_and_patch
-            return spec
-
-    sys.meta_path.insert(0, _PatchOnImport())
+    patch_after_import("megatron_tlt.drafter.trainer", _inject)

@@ -4,7 +4,7 @@ rank ``TLT_TEST_SLOW_RANK`` (default 1) of a run holds every rollout that long a
 Every other rank then has an idle window at least that long in every step, so whether the spot trainer
 trains in it is no longer a wall-clock race between the ranks (its micro-steps of 64 rows take a few ms).
 A process imports one ``sitecustomize``: with ``TLT_TEST_DRAFTER_FAULT_AT`` set, this one also loads
-``../drafter_fault/sitecustomize.py``.
+``../drafter_fault/sitecustomize.py``. Both need ``helpers/`` on PYTHONPATH too (``patch_on_import``).
 """
 
 import os
@@ -12,10 +12,9 @@ import os
 _SECONDS = float(os.environ.get("TLT_TEST_SLOW_RANK_SECONDS", "0"))
 
 if _SECONDS > 0:
-    import importlib.abc
-    import importlib.util
-    import sys
     import time
+
+    from patch_on_import import patch_after_import
 
     def _inject(module) -> None:
         original = module.RolloutEngine.generate
@@ -28,24 +27,7 @@ if _SECONDS > 0:
 
         module.RolloutEngine.generate = generate_then_hold
 
-    class _PatchOnImport(importlib.abc.MetaPathFinder):
-        """Patches megatron_tlt.spec.engine right after it is first imported."""
-
-        def find_spec(self, name, path, target=None):
-            if name != "megatron_tlt.spec.engine":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            exec_module = spec.loader.exec_module
-
-            def exec_and_patch(module):
-                exec_module(module)
-                _inject(module)
-
-            spec.loader.exec_module = exec_and_patch
-            return spec
-
-    sys.meta_path.insert(0, _PatchOnImport())
+    patch_after_import("megatron_tlt.spec.engine", _inject)
 
 if os.environ.get("TLT_TEST_DRAFTER_FAULT_AT"):
     import runpy
