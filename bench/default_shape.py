@@ -36,7 +36,8 @@ def drafter_cost_share(overrides: list[str]) -> tuple[float, int, int]:
     # (an untied one is left out; a tied one is the LM head, which both models run once per token).
     lm_head = arch.vocab_size * arch.hidden_size
     policy = count_parameters(arch) - (0 if arch.tie_word_embeddings else lm_head)
-    return (drafter_parameters(arch) + lm_head) / policy, arch.num_layers, drafter_parameters(arch)
+    drafter = drafter_parameters(arch)
+    return (drafter + lm_head) / policy, arch.num_layers, drafter
 
 
 def main() -> None:

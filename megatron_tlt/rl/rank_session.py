@@ -87,9 +87,10 @@ class RankSession:
             drafter.set_policy_heads(stats.kept)
         if drafter is not None and engine.speculative is not None:  # the reload must not lose the drafter
             engine.load_drafter(drafter.export_tensors())
-        if probe and engine.speculative is not None and self.probe_prompts:
+        prompts = self.probe_prompts if probe and engine.speculative is not None else []
+        if prompts:
             alarms = engine.acceptance_alarms
-            probed = engine.probe_acceptance(self.probe_prompts)
+            probed = engine.probe_acceptance(prompts)
             stats = dataclasses.replace(stats, probe=probed, alarm=engine.acceptance_alarms > alarms)
         return stats
 
