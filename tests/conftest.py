@@ -7,9 +7,12 @@ import warnings
 import pytest
 import torch
 
-from megatron_tlt.launcher import silence_known_dependency_warnings
+from megatron_tlt.launcher import ENGINE_IMPORTS, preload_in_ranks, silence_known_dependency_warnings
 
 silence_known_dependency_warnings()
+# The suite launches ranks ~40 times, most of them running vLLM engines: their fork server imports
+# vLLM once, whichever test launches first.
+preload_in_ranks(*ENGINE_IMPORTS)
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 # In-process tests run one at a time on a 2-core machine that CI shares: torch's default of a thread per
 # core makes every op wait for a busy core (an Adam test took 78 s under load, 6.9 s on one thread).

@@ -48,9 +48,20 @@ def _check_layout(config) -> None:
     layout_rules.check_run_layout(config, arch)
 
 
+def _run_on_engine_ranks(fn, nprocs: int, *args) -> dict:
+    """``fn`` on fresh rank processes that start vLLM engines (``launcher.run_on_ranks``)."""
+    from megatron_tlt import launcher
+
+    # vLLM warns about things that do not apply here (no tokenizer by design, the rotary embedding
+    # having no weights to reload); keep the console for progress and results.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    launcher.preload_in_ranks(*launcher.ENGINE_IMPORTS)
+    return launcher.run_on_ranks(fn, nprocs, *args, isolated=True)
+
+
 def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str | None = None):
     """Run to ``trainer.steps``; returns (run directory, summary records)."""
-    from megatron_tlt.launcher import launched_world_size, run_on_ranks
+    from megatron_tlt.launcher import launched_world_size
     from megatron_tlt.rl import checkpoint_paths
 
     config = _load(config_name, overrides, resume_dir)
@@ -78,11 +89,7 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
         config.trainer.run_dir = str(run_dir)
         if writer:
             run_files.prepare_new_run_dir(run_dir, to_yaml(config))
-    # vLLM warns about things that do not apply here (no tokenizer by design, the rotary embedding
-    # having no weights to reload); keep the console for progress and results.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    results = run_on_ranks(_train_on_rank, world_size(config), config, str(run_dir), resume_dir is not None,
-                           isolated=True)
+    results = _run_on_engine_ranks(_train_on_rank, world_size(config), config, str(run_dir), resume_dir is not None)
     return run_dir, results.get(0)  # under torchrun each rank holds only its own result (records on rank 0)
 
 
@@ -97,7 +104,6 @@ def start_drafter_warmup(config_name: str | None, overrides: list[str], *, polic
     """Warm a drafter up offline (``warmup_drafter.py``); returns its before/after figures."""
     from megatron_tlt.rl.checkpoint_paths import resolve_policy_dir
     from megatron_tlt.hf_io import check_output_dir
-    from megatron_tlt.launcher import run_on_ranks
 
     config = load_config(config_name, overrides)
     if min(settings.prompts, settings.eval_prompts, settings.epochs, settings.draft_tokens) < 1:
@@ -105,10 +111,7 @@ def start_drafter_warmup(config_name: str | None, overrides: list[str], *, polic
     check_output_dir(out_dir)
     policy_dir = str(resolve_policy_dir(policy)) if policy is not None else None
     _check_layout(config)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    results = run_on_ranks(_warm_up_drafter_on_rank, world_size(config), config, policy_dir, out_dir, settings,
-                           isolated=True)
-    return results[0]
+    return _run_on_engine_ranks(_warm_up_drafter_on_rank, world_size(config), config, policy_dir, out_dir, settings)[0]
 
 
 def _bench_rollout_on_rank(config, policy_dir, drafter_dir: str, settings):
@@ -141,7 +144,6 @@ def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy
                         settings) -> dict:
     """``tlt bench rollout``: no speculation vs fixed depths vs BEG-MAB on one rollout, in one rank process."""
     from megatron_tlt.drafter.checkpoint_paths import resolve_drafter_dir
-    from megatron_tlt.launcher import run_on_ranks
     from megatron_tlt.rl.checkpoint_paths import resolve_policy_dir
 
     config = load_config(config_name, overrides)
@@ -153,5 +155,4 @@ def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy
     _check_layout(config)
     policy_dir = str(resolve_policy_dir(policy)) if policy is not None else None
     drafter_dir = resolve_drafter_dir(drafter) if drafter is not None else bench_drafter(config_name, overrides)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    return run_on_ranks(_bench_rollout_on_rank, 1, config, policy_dir, str(drafter_dir), settings, isolated=True)[0]
+    return _run_on_engine_ranks(_bench_rollout_on_rank, 1, config, policy_dir, str(drafter_dir), settings)[0]

@@ -1,0 +1,29 @@
+"""`launcher.run_on_ranks`: ranks are fresh processes that see the launching process as it is at the launch.
+
+On CPU the ranks fork from a server started at the first launch, which keeps the environment of that
+moment; each launch hands its own environment over.
+"""
+
+import os
+
+from megatron_tlt.launcher import run_on_ranks
+
+
+def _environment_of_rank(names: tuple[str, ...]) -> dict:
+    return {"pid": os.getpid(), "rank": os.environ["RANK"], **{name: os.environ.get(name) for name in names}}
+
+
+def test_each_launch_hands_its_environment_to_fresh_ranks(monkeypatch):
+    names = ("TLT_TEST_LAUNCH", "TLT_TEST_DROPPED")
+    monkeypatch.setenv("TLT_TEST_LAUNCH", "first")
+    monkeypatch.setenv("TLT_TEST_DROPPED", "set")
+    first = run_on_ranks(_environment_of_rank, 2, names)
+    monkeypatch.setenv("TLT_TEST_LAUNCH", "second")
+    monkeypatch.delenv("TLT_TEST_DROPPED")
+    second = run_on_ranks(_environment_of_rank, 2, names)
+
+    assert [first[r]["rank"] for r in (0, 1)] == [second[r]["rank"] for r in (0, 1)] == ["0", "1"]
+    assert all(first[r]["TLT_TEST_LAUNCH"] == "first" and first[r]["TLT_TEST_DROPPED"] == "set" for r in (0, 1))
+    assert all(second[r]["TLT_TEST_LAUNCH"] == "second" and second[r]["TLT_TEST_DROPPED"] is None for r in (0, 1))
+    pids = {result["pid"] for result in (*first.values(), *second.values())}
+    assert len(pids) == 4 and os.getpid() not in pids  # four fresh processes, none of them this one
