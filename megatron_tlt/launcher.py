@@ -67,6 +67,7 @@ def preload_in_ranks(*modules: str) -> None:
     """
     _FORKSERVER_PRELOAD.extend(m for m in modules if m not in _FORKSERVER_PRELOAD)
 
+
 # Set for each rank by torch's elastic agent (torch/distributed/elastic/agent/server/local_elastic_agent.py);
 # everything else in a rank's environment is the launching process's at the time of the launch.
 _PER_RANK_VARIABLES = frozenset({
@@ -87,16 +88,19 @@ def _start_method() -> str:
     return "forkserver"
 
 
+def _set_per_rank(key: str) -> bool:
+    return key in _PER_RANK_VARIABLES or key.startswith("TORCHELASTIC_")
+
+
 def _launch_environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _PER_RANK_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    return {k: v for k, v in os.environ.items() if not _set_per_rank(k)}
 
 
 def _adopt_environment(environment: dict[str, str]) -> None:
     """A forked rank starts with the environment its fork server had when it started: make it the
     launching process's of now (a test may have set a variable since), keeping the agent's own."""
-    for key in [k for k in os.environ if k not in environment]:
-        if key not in _PER_RANK_VARIABLES and not key.startswith("TORCHELASTIC_"):
-            del os.environ[key]
+    for key in [k for k in os.environ if k not in environment and not _set_per_rank(k)]:
+        del os.environ[key]
     os.environ.update(environment)
 
 
