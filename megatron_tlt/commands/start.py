@@ -42,7 +42,7 @@ def _check_layout(config) -> None:
 
     if config.model.hf_dir is None:  # every rank loads the same tokenizer: make it once, here
         tokenizer_dir = tiny_default.ensure_tokenizer(tiny_default.cache_root(config.warmup.cache_dir))
-        arch = tiny_default.policy_architecture(load_tokenizer(tokenizer_dir))
+        arch = tiny_default.policy_architecture(config, load_tokenizer(tokenizer_dir))
     else:
         arch = load_architecture(config.model.hf_dir)
     layout_rules.check_run_layout(config, arch)
@@ -132,6 +132,7 @@ def bench_drafter(config_name: str | None, overrides: list[str]) -> Path:
     config = load_config(config_name, overrides)
     settings = ColdStartSettings(prompts=BENCH_DRAFTER_PROMPTS, epochs=BENCH_DRAFTER_EPOCHS)
     key = tiny_default.cache_key(warmup=dataclasses.asdict(config.warmup), model=dataclasses.asdict(config.model),
+                                 data=dataclasses.asdict(config.data),
                                  drafter=dataclasses.asdict(config.drafter), cold_start=dataclasses.asdict(settings))
     directory = tiny_default.cache_root(config.warmup.cache_dir) / f"drafter-{key}"
     if not (directory / "model.safetensors").is_file():

@@ -38,9 +38,12 @@ def checkpoint_meta(arch: PolicyArchitecture, dtype: str) -> policy_meta.PolicyC
 def warmed_up_dir(config: TLTConfig, tokenizer: Tokenizer) -> Path:
     """The cache entry of the warmed-up tiny policy for this config (it may not exist yet)."""
     warmup = {k: v for k, v in dataclasses.asdict(config.warmup).items() if k not in ("cache_dir", "continue_optimizer")}
-    key = tiny_default.cache_key(kind="warmup", policy=tiny_default.TINY_POLICY_CONFIG, vocab=tokenizer.vocab_size,
+    shape = tiny_default.TaskShape.of(config)
+    # The default task shape keeps the key it had before the shape was configurable: cached entries stay valid.
+    task = {} if shape == tiny_default.TaskShape() else dict(task=dataclasses.asdict(shape))
+    key = tiny_default.cache_key(kind="warmup", policy=tiny_default.policy_config(config), vocab=tokenizer.vocab_size,
                                  warmup=warmup, seed=config.trainer.seed, dtype=config.model.dtype,
-                                 attention=config.model.attention)
+                                 attention=config.model.attention, **task)
     return tiny_default.cache_root(config.warmup.cache_dir) / f"policy-{key}"
 
 
@@ -55,7 +58,7 @@ def _warm_up_tiny_policy(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyAr
                               micro_batch_size=config.warmup.micro_batch_size, lr=config.warmup.lr,
                               seed=config.trainer.seed)
     corpus = tiny_default.warmup_sequences(tokenizer, config.warmup.corpus_size,
-                                           config.warmup.other_answer_format_share)
+                                           config.warmup.other_answer_format_share, tiny_default.TaskShape.of(config))
     progress = None
     if show_progress:
         from tqdm.auto import tqdm

@@ -30,10 +30,11 @@ def load_task(config: TLTConfig) -> Task:
     if config.model.hf_dir is None:
         root = tiny_default.cache_root(config.warmup.cache_dir)
         tokenizer = tiny_default.load_task_tokenizer(root)
-        held_out = (tiny_default.held_out_prompts(tokenizer, config.data.held_out_prompts, config.warmup.corpus_size)
-                    if config.data.held_out_prompts else [])
-        task = Task(tokenizer, tiny_default.policy_architecture(tokenizer),
-                    tiny_default.rl_prompts(tokenizer, config.data.synthetic_prompts), list(held_out))
+        shape = tiny_default.TaskShape.of(config)
+        held_out = (tiny_default.held_out_prompts(tokenizer, config.data.held_out_prompts, config.warmup.corpus_size,
+                                                  shape) if config.data.held_out_prompts else [])
+        task = Task(tokenizer, tiny_default.policy_architecture(config, tokenizer),
+                    tiny_default.rl_prompts(tokenizer, config.data.synthetic_prompts, shape), list(held_out))
     else:
         if config.data.path is None:
             raise ValueError("model.hf_dir needs a prompt file in data.path")

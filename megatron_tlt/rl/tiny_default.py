@@ -13,6 +13,7 @@ a second run skips their making.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ import random
 from pathlib import Path
 
 from megatron_tlt import atomic_files
+from megatron_tlt.config import TLTConfig
 from megatron_tlt.model_config import PolicyArchitecture, architecture_from_dict
 from megatron_tlt.rl import synthetic_task
 from megatron_tlt.rl.data import PromptDataset, PromptExample, DataReport
@@ -34,19 +36,37 @@ WARMUP_CORPUS_SEED = 2
 HELD_OUT_SEED = 3
 TOKENIZER_SEED = 0
 
-# The policy: 4 layers of hidden 128 (~0.7M parameters with the ~290-piece vocabulary).
-TINY_POLICY_CONFIG = dict(
+# What every tiny policy shares; its shape comes from ``model.tiny`` (config.TinyPolicyConfig).
+TINY_POLICY_BASE = dict(
     architectures=["LlamaForCausalLM"],
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     max_position_embeddings=512,
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
     tie_word_embeddings=False,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskShape:
+    """How long the task's worked solutions run (``data.max_solution_steps``, ``data.length_tail``)."""
+
+    max_steps: int = synthetic_task.DEFAULT_MAX_STEPS
+    tail: float = synthetic_task.DEFAULT_TAIL
+
+    @classmethod
+    def of(cls, config: TLTConfig) -> "TaskShape":
+        return cls(max_steps=config.data.max_solution_steps, tail=config.data.length_tail)
+
+    def problems(self, num: int, seed: int) -> list[synthetic_task.Problem]:
+        return synthetic_task.generate_problems(num, seed=seed, max_steps=self.max_steps, tail=self.tail)
+
+
+def policy_config(config: TLTConfig) -> dict:
+    """The tiny policy's HF config fields, vocabulary aside: what its warm-up cache entry is keyed by."""
+    tiny = config.model.tiny
+    return dict(TINY_POLICY_BASE, hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
+                num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_attention_heads,
+                num_key_value_heads=tiny.num_key_value_heads)
 
 
 def cache_root(configured: str | None = None) -> Path:
@@ -71,10 +91,10 @@ def ensure_tokenizer(root: Path) -> Path:
     return final
 
 
-def policy_architecture(tokenizer: Tokenizer) -> PolicyArchitecture:
-    config = dict(TINY_POLICY_CONFIG, vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+def policy_architecture(config: TLTConfig, tokenizer: Tokenizer) -> PolicyArchitecture:
+    fields = dict(policy_config(config), vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
                   eos_token_id=tokenizer.eos_id)
-    return architecture_from_dict(config, source="the tiny default")
+    return architecture_from_dict(fields, source="the tiny default")
 
 
 def _examples(problems: list[synthetic_task.Problem], tokenizer: Tokenizer) -> list[PromptExample]:
@@ -83,16 +103,16 @@ def _examples(problems: list[synthetic_task.Problem], tokenizer: Tokenizer) -> l
             for i, p in enumerate(problems)]
 
 
-def rl_prompts(tokenizer: Tokenizer, num: int) -> PromptDataset:
+def rl_prompts(tokenizer: Tokenizer, num: int, shape: TaskShape = TaskShape()) -> PromptDataset:
     """The RL prompt set: ``num`` problems of the task, as a dataset like a loaded prompt file."""
-    examples = _examples(synthetic_task.generate_problems(num, seed=RL_PROMPT_SEED), tokenizer)
+    examples = _examples(shape.problems(num, RL_PROMPT_SEED), tokenizer)
     path = Path("<synthetic long-tail task>")
     report = DataReport(path=path, num_rows=num, num_kept=num, skipped={}, first_bad_rows={})
     return PromptDataset(path=path, examples=tuple(examples), report=report)
 
 
-def warmup_sequences(tokenizer: Tokenizer, num: int, other_answer_format_share: float = 0.0
-                     ) -> list[tuple[list[int], int]]:
+def warmup_sequences(tokenizer: Tokenizer, num: int, other_answer_format_share: float = 0.0,
+                     shape: TaskShape = TaskShape()) -> list[tuple[list[int], int]]:
     """Supervised warm-up data: (BOS + prompt + solution + EOS ids, prompt length) per problem.
 
     A seeded ``other_answer_format_share`` of the solutions state their answer as "The answer is N"
@@ -104,7 +124,7 @@ def warmup_sequences(tokenizer: Tokenizer, num: int, other_answer_format_share: 
         raise ValueError(f"other_answer_format_share must be in [0, 1], got {other_answer_format_share}")
     formats = random.Random(WARMUP_CORPUS_SEED)
     sequences = []
-    for problem in synthetic_task.generate_problems(num, seed=WARMUP_CORPUS_SEED):
+    for problem in shape.problems(num, WARMUP_CORPUS_SEED):
         solution = problem.solution
         if formats.random() < other_answer_format_share:
             solution = synthetic_task.with_other_answer_format(solution)
@@ -113,10 +133,11 @@ def warmup_sequences(tokenizer: Tokenizer, num: int, other_answer_format_share: 
     return sequences
 
 
-def held_out_prompts(tokenizer: Tokenizer, num: int, warmup_corpus_size: int) -> list[PromptExample]:
+def held_out_prompts(tokenizer: Tokenizer, num: int, warmup_corpus_size: int,
+                     shape: TaskShape = TaskShape()) -> list[PromptExample]:
     """``num`` evaluation problems, none of whose prompts occurs in the warm-up corpus."""
-    seen = {p.prompt for p in synthetic_task.generate_problems(warmup_corpus_size, seed=WARMUP_CORPUS_SEED)}
-    fresh = [p for p in synthetic_task.generate_problems(4 * num, seed=HELD_OUT_SEED) if p.prompt not in seen]
+    seen = {p.prompt for p in shape.problems(warmup_corpus_size, WARMUP_CORPUS_SEED)}
+    fresh = [p for p in shape.problems(4 * num, HELD_OUT_SEED) if p.prompt not in seen]
     return _examples(fresh[:num], tokenizer)
 
 

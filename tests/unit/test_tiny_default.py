@@ -1,0 +1,62 @@
+"""The tiny default follows its config: the policy's shape (``model.tiny``), the task's length tail
+(``data.max_solution_steps``, ``data.length_tail``), and a warm-up cache entry per shape."""
+
+import pytest
+
+from megatron_tlt.config import load_config
+from megatron_tlt.rl import synthetic_task, tiny_default
+from megatron_tlt.rl.policy_source import warmed_up_dir
+from megatron_tlt.tokenizer import load_tokenizer
+
+DEEP = ["model.tiny.num_layers=16", "model.tiny.hidden_size=64", "model.tiny.num_attention_heads=2",
+        "model.tiny.num_key_value_heads=1", "model.tiny.intermediate_size=192"]
+LONG_TAIL = ["data.max_solution_steps=40", "data.length_tail=1.3"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("tokenizer")
+    synthetic_task.train_task_tokenizer(out_dir, seed=tiny_default.TOKENIZER_SEED)
+    return load_tokenizer(out_dir)
+
+
+def test_the_policy_has_the_configured_shape(tokenizer):
+    arch = tiny_default.policy_architecture(load_config(None, DEEP), tokenizer)
+    assert (arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.vocab_size) == (
+        16, 64, 2, tokenizer.vocab_size)
+    assert arch.hf_config["num_key_value_heads"] == 1 and arch.hf_config["intermediate_size"] == 192
+
+
+def test_the_task_shape_sets_the_length_tail_and_the_longest_problem_fits_the_context(tokenizer):
+    config = load_config(None, LONG_TAIL)
+    shape = tiny_default.TaskShape.of(config)
+    problems = shape.problems(4000, tiny_default.RL_PROMPT_SEED)
+    assert max(p.num_steps for p in problems) == 40
+    default = tiny_default.TaskShape().problems(4000, tiny_default.RL_PROMPT_SEED)
+    assert max(p.num_steps for p in default) == synthetic_task.DEFAULT_MAX_STEPS
+    dataset = tiny_default.rl_prompts(tokenizer, 64, shape)
+    assert [e.prompt_ids for e in dataset.examples] == [
+        tuple(tokenizer.encode(p.prompt, add_bos=True)) for p in problems[:64]]
+    # prompt + worked solution + EOS of the longest problem within the policy's positions and the prompt limit
+    longest = max(problems, key=lambda p: p.num_steps)
+    assert len(tokenizer.encode(longest.prompt, add_bos=True)) <= config.data.max_prompt_tokens
+    assert len(tokenizer.encode(longest.prompt + longest.solution, add_bos=True)) + 1 <= (
+        tiny_default.TINY_POLICY_BASE["max_position_embeddings"])
+
+
+def test_each_policy_and_task_shape_has_its_own_warm_up_and_the_default_keeps_its_entry(tokenizer, tmp_path):
+    def entry(*overrides):
+        return warmed_up_dir(load_config(None, [f"warmup.cache_dir={tmp_path}", *overrides]), tokenizer)
+
+    entries = {entry(), entry(*DEEP), entry(*LONG_TAIL), entry(*DEEP, *LONG_TAIL)}
+    assert len(entries) == 4
+    # the key the tiny default had before its shape was configurable: its cached warm-up stays valid
+    config = load_config(None, [f"warmup.cache_dir={tmp_path}"])
+    warmup = {k: v for k, v in vars(config.warmup).items() if k not in ("cache_dir", "continue_optimizer")}
+    before = tiny_default.cache_key(kind="warmup", policy=dict(
+        tiny_default.TINY_POLICY_BASE, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2), vocab=tokenizer.vocab_size, warmup=warmup,
+        seed=config.trainer.seed, dtype=config.model.dtype, attention=config.model.attention)
+    assert entry(*[f"model.tiny.{k}={v}" for k, v in dict(
+        num_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=2).items()]) == tmp_path / f"policy-{before}"
