@@ -2,9 +2,10 @@
 
 Each rank sends a ``RankStepReport`` to rank 0 at the end of the step; ``step_record`` reduces them:
 rewards and lengths over the samples each engine's leader reports (none counts twice), phase times as
-the slowest rank's, the rollout's idle shares per rank, the engines' speculation figures, their
-acceptance probes after the sync (``spec/probe_acceptance_rate``; ``spec/acceptance_alarms`` counts the
-engines whose probe found acceptance collapsed) and the drafter's (``drafter/tlt_drafter.summary_fields``).
+the slowest rank's, the rollout's idle shares per rank, the engines' speculation figures, the acceptance
+alarm (``spec/acceptance_alarms`` counts the engines whose rollout, or greedy probe after the sync, found
+acceptance collapsed; ``spec/probe_acceptance_rate`` where probes ran) and the drafter's
+(``drafter/tlt_drafter.summary_fields``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class RankStepReport:
     probe: SpecDecodeStats | None = None
     """The acceptance probe after the step's sync and drafter push, from the engine's leader only."""
     alarm: bool = False
-    """Whether that probe raised the collapse alarm (leader only)."""
+    """Whether the step's rollout or that probe raised the collapse alarm (leader only)."""
 
 
 def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb_s: float,
@@ -98,9 +99,12 @@ def _speculation_fields(per_rank: list[RankStepReport]) -> dict:
 
 
 def _probe_fields(per_rank: list[RankStepReport]) -> dict:
+    """The alarm count wherever an engine speculated or probed; the probe's acceptance where probes ran."""
+    record = {}
+    if any(p.alarm or p.probe is not None or (p.spec is not None and p.spec.num_drafts) for p in per_rank):
+        record["spec/acceptance_alarms"] = sum(p.alarm for p in per_rank)
     probes = [p.probe for p in per_rank if p.probe is not None]
-    if not probes:
-        return {}
-    drafted = sum(s.num_draft_tokens for s in probes)
-    return {"spec/probe_acceptance_rate": sum(s.num_accepted_tokens for s in probes) / max(1, drafted),
-            "spec/acceptance_alarms": sum(p.alarm for p in per_rank)}
+    if probes:
+        drafted = sum(s.num_draft_tokens for s in probes)
+        record["spec/probe_acceptance_rate"] = sum(s.num_accepted_tokens for s in probes) / max(1, drafted)
+    return record

@@ -282,6 +282,8 @@ class RLTrainer:
         examples = self.dataset.gather(next(self.sampler))
         train_drafter = self.drafter is not None and self.drafter.trains_in(step + 1)
         mine, result, tail = self._rollout(step, examples, timeline, train_drafter)
+        # The acceptance alarm after the last sync and drafter push, read from this rollout's own drafts: free.
+        alarm = result is not None and self.engine.check_acceptance(result.spec, "the rollout after the policy sync")
         own, samples = self._score_and_share(mine, result, timeline)
         advantages, dropped_groups = self._advantages(samples)
         sequences = [list(s.prompt_ids) + s.response_ids for s in samples]
@@ -291,7 +293,7 @@ class RLTrainer:
         update_metrics = self._update(samples, sequences, advantages, old, ref, timeline)
         self.engine.resume_memory()
         synced = self._sync(timeline)
-        report = self._report(own, result, timeline, dropped_groups, tail, feature_rows, synced)
+        report = self._report(own, result, timeline, dropped_groups, tail, feature_rows, synced, alarm)
         gathered = [None] * self.world if self.is_reporter else None
         dist.gather_object(report, gathered, dst=0)
         if not self.is_reporter:
@@ -300,7 +302,7 @@ class RLTrainer:
         return record, [span for r in gathered for span in r.timeline.to_records(step + 1)]
 
     def _report(self, own: list[Sample], result, timeline: RankTimeline, dropped_groups: int,
-                tail: TailReport | None, feature_rows: int, synced: SyncStats) -> RankStepReport:
+                tail: TailReport | None, feature_rows: int, synced: SyncStats, rollout_alarm: bool) -> RankStepReport:
         leader = self.placement.is_leader  # an engine's figures, once: from its leader
         return RankStepReport(
             timeline=timeline, rewards=[s.reward for s in own], correct=[s.correct for s in own],
@@ -309,7 +311,7 @@ class RLTrainer:
             spec=result.spec if result is not None and leader else None,
             step_depths=result.step_depths if result is not None and leader else [],
             bandit=self.engine.bandit_summary() if leader else None, tail=tail,
-            probe=synced.probe if leader else None, alarm=synced.alarm and leader,
+            probe=synced.probe if leader else None, alarm=(rollout_alarm or synced.alarm) and leader,
             # counted once per replica: the last stage's TP ranks hold the same features
             hidden_tokens=feature_rows if mcore.stage_info().tp_rank == 0 else 0)
 

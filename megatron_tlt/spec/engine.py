@@ -70,7 +70,7 @@ class SpeculativeSettings:
     seed: int = 0
     """Seed of the bandit's exploration (``trainer.seed`` in a run)."""
     acceptance_alarm_threshold: float = 0.05
-    """Accepted share of draft tokens below which a probe raises the collapse alarm."""
+    """Accepted share of draft tokens below which a rollout or probe raises the collapse alarm."""
 
 
 @dataclasses.dataclass
@@ -411,12 +411,8 @@ class RolloutEngine:
         self._llm.finish_weight_update()
 
     def probe_acceptance(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16) -> SpecDecodeStats:
-        """Greedy probe after a policy sync or drafter push; raises the alarm if acceptance collapsed.
-
-        Peers lost drafter weights silently after a weight sync (acceptance fell to ~0): this is
-        the check that makes such a loss loud (an ERROR log line and ``acceptance_alarms`` += 1). With
-        BEG-MAB the probe runs at full depth (the bandit might choose none) and teaches the bandit nothing.
-        """
+        """Greedy probe at full depth (``check_acceptance``): a generation of its own, so a check that does
+        not depend on the rollout's temperature or on the depths BEG-MAB chose; it teaches the bandit nothing."""
         scheduler = self.adaptive_scheduler()
         pinned = scheduler.pinned_depth if scheduler is not None else None
         if scheduler is not None:
@@ -426,15 +422,26 @@ class RolloutEngine:
         finally:
             if scheduler is not None:
                 scheduler.pin_depth(pinned)
-        if self.speculative is not None and acceptance_collapsed(stats, self.speculative.acceptance_alarm_threshold):
-            self.acceptance_alarms += 1
-            logger.error(
-                "rank %d: speculative acceptance collapsed: %.1f%% of %d draft tokens accepted (alarm threshold "
-                "%.1f%%); the drafter may have been lost or is stale",
-                self.rank, 100 * stats.acceptance_rate, stats.num_draft_tokens,
-                100 * self.speculative.acceptance_alarm_threshold,
-            )
+        self.check_acceptance(stats, "the greedy probe")
         return stats
+
+    def check_acceptance(self, stats: SpecDecodeStats, source: str) -> bool:
+        """Raise the collapse alarm if ``stats`` (drafts of a rollout or a probe) had almost none accepted.
+
+        Peers lost drafter weights silently after a weight sync (acceptance fell to ~0): this is the
+        check that makes such a loss loud (an ERROR log line and ``acceptance_alarms`` += 1). Returns
+        whether it fired; no drafts (speculation off, or depth 0 chosen throughout) is no evidence.
+        """
+        if self.speculative is None or not acceptance_collapsed(stats, self.speculative.acceptance_alarm_threshold):
+            return False
+        self.acceptance_alarms += 1
+        logger.error(
+            "rank %d: speculative acceptance collapsed in %s: %.1f%% of %d draft tokens accepted (alarm threshold "
+            "%.1f%%); the drafter may have been lost or is stale",
+            self.rank, source, 100 * stats.acceptance_rate, stats.num_draft_tokens,
+            100 * self.speculative.acceptance_alarm_threshold,
+        )
+        return True
 
     def load_weights(self, hf_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the policy weights in place from HF-named tensors (consumed lazily)."""

@@ -5,12 +5,13 @@ from megatron_tlt.spec.metrics import SpecDecodeStats
 from megatron_tlt.timeline import BUSY, RankTimeline
 
 
-def _report(rank: int, probe: SpecDecodeStats | None = None, alarm: bool = False) -> RankStepReport:
+def _report(rank: int, probe: SpecDecodeStats | None = None, alarm: bool = False,
+            spec: SpecDecodeStats | None = None) -> RankStepReport:
     timeline = RankTimeline(rank)
     for start, phase in enumerate(("rollout", "reward", "logprob", "update", "sync")):
         timeline.add(phase, BUSY, float(start), start + 1.0)
     return RankStepReport(timeline=timeline, rewards=[1.0, 0.0], correct=[True, False], lengths=[3, 5],
-                          truncated=[False, False], dropped_groups=0, spec=None, step_depths=[], bandit=None,
+                          truncated=[False, False], dropped_groups=0, spec=spec, step_depths=[], bandit=None,
                           tail=None, hidden_tokens=0, probe=probe, alarm=alarm)
 
 
@@ -30,6 +31,15 @@ def test_the_probe_pools_every_engines_drafts_and_counts_the_engines_that_raised
 def test_without_a_probe_the_record_has_no_probe_fields():
     record = _record(_report(0), _report(1))
     assert "spec/probe_acceptance_rate" not in record and "spec/acceptance_alarms" not in record
+
+
+def test_a_rollout_whose_drafts_were_rejected_counts_an_alarm_without_any_probe():
+    drafted = SpecDecodeStats(num_drafts=10, num_draft_tokens=30, num_accepted_tokens=0)
+    record = _record(_report(0, spec=drafted, alarm=True), _report(1, spec=drafted))
+    assert record["spec/acceptance_alarms"] == 1 and "spec/probe_acceptance_rate" not in record
+    healthy = SpecDecodeStats(num_drafts=10, num_draft_tokens=30, num_accepted_tokens=12)
+    assert _record(_report(0, spec=healthy))["spec/acceptance_alarms"] == 0  # speculated, no alarm: a zero
+    assert "spec/acceptance_alarms" not in _record(_report(0, spec=SpecDecodeStats()))  # speculation off
 
 
 def test_response_lengths_pool_every_ranks_samples():
