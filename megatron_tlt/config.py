@@ -37,6 +37,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
 DRAFTER_PRECISIONS = ("auto", "fp32", "bf16", "fp8")
 # algorithm.advantage's choices: the estimators rl/advantages.py registers (it refuses a name not listed here)
 ADVANTAGES = ("grpo", "rloo")
+# data.solution_style's choices: the built-in task's ways of writing a worked solution (rl/synthetic_task.py)
+SOLUTION_STYLES = ("chain", "restate")
 
 
 class ConfigError(ValueError):
@@ -140,11 +142,17 @@ class DataConfig:
     length_tail: float = 1.5
     """Built-in task: the Zipf exponent of the step count, P(k) ~ k ** -length_tail: smaller gives a longer
     tail of long problems (rl/synthetic_task.py)."""
+    solution_style: str = "chain"
+    """Built-in task: how worked solutions are written: chain (one short line per step, ``55+1=56``) or
+    restate (each line restates the remaining expression, ``=56-8-5``: quadratic length, mostly copied text)."""
     held_out_prompts: int = 256
     """Built-in task only: held-out problems whose greedy accuracy is measured (0 disables)."""
 
     def __post_init__(self) -> None:
         _require_at_least_one("data", max_solution_steps=self.max_solution_steps)
+        if self.solution_style not in SOLUTION_STYLES:
+            raise ConfigError(f"data.solution_style must be one of {', '.join(SOLUTION_STYLES)}, got "
+                              f"'{self.solution_style}'")
         if not self.length_tail > 0.0:  # written so that NaN fails too
             raise ConfigError(f"data.length_tail must be > 0 (a Zipf exponent), got {self.length_tail}")
 

@@ -34,6 +34,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_tlt import config
+
 ANSWER_MARKER = "####"
 OTHER_ANSWER_PREFIX = "The answer is "
 """How some worked solutions state the answer instead: text the reward's ``####`` rule does not read."""
@@ -66,12 +68,27 @@ def _apply(value: int, op: str, operand: int) -> int:
     return value + operand if op == "+" else value - operand
 
 
-def _format_problem(start: int, operations: list[tuple[str, int]]) -> Problem:
-    prompt = PROMPT_PREFIX + str(start) + "".join(f"{op}{operand}" for op, operand in operations) + PROMPT_SUFFIX
+SOLUTION_STYLES = config.SOLUTION_STYLES
+"""How a worked solution is written: ``chain`` one short line per step (``55+1=56``); ``restate`` copies the
+whole remaining expression each line with its first operation done (``=56-8-5``), as reasoning traces
+restate what is left: length quadratic in the steps, and mostly text a drafter can copy."""
+
+
+def _operations_text(operations: list[tuple[str, int]]) -> str:
+    return "".join(f"{op}{operand}" for op, operand in operations)
+
+
+def _format_problem(start: int, operations: list[tuple[str, int]], style: str = "chain") -> Problem:
+    prompt = PROMPT_PREFIX + str(start) + _operations_text(operations) + PROMPT_SUFFIX
     lines, value = [], start
-    for op, operand in operations:
+    if style == "restate":
+        lines.append(f"{start}{_operations_text(operations)}")
+    for i, (op, operand) in enumerate(operations):
         result = _apply(value, op, operand)
-        lines.append(f"{value}{op}{operand}={result}")
+        if style == "restate":
+            lines.append(f"={result}{_operations_text(operations[i + 1:])}")
+        else:
+            lines.append(f"{value}{op}{operand}={result}")
         value = result
     solution = " " + "\n".join(lines) + f"\n{ANSWER_MARKER} {value}"
     return Problem(prompt=prompt, solution=solution, answer=str(value), num_steps=len(operations))
@@ -96,7 +113,7 @@ def step_count_weights(max_steps: int, tail: float) -> list[float]:
 
 
 def generate_problems(
-    num: int, *, seed: int, max_steps: int = DEFAULT_MAX_STEPS, tail: float = DEFAULT_TAIL
+    num: int, *, seed: int, max_steps: int = DEFAULT_MAX_STEPS, tail: float = DEFAULT_TAIL, style: str = "chain"
 ) -> list[Problem]:
     """``num`` problems, the same for the same arguments.
 
@@ -110,6 +127,8 @@ def generate_problems(
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     if tail <= 0:
         raise ValueError(f"tail must be > 0 (a Zipf exponent), got {tail}")
+    if style not in SOLUTION_STYLES:
+        raise ValueError(f"style must be one of {', '.join(SOLUTION_STYLES)}, got '{style}'")
     rng = random.Random(seed)
     step_counts = range(1, max_steps + 1)
     weights = step_count_weights(max_steps, tail)
@@ -124,7 +143,7 @@ def generate_problems(
                 op = "-" if op == "+" else "+"  # operand <= 9 < range, so the flip always lands inside
             operations.append((op, operand))
             value = _apply(value, op, operand)
-        problems.append(_format_problem(start, operations))
+        problems.append(_format_problem(start, operations, style))
     return problems
 
 

@@ -52,13 +52,16 @@ class TaskShape:
 
     max_steps: int = synthetic_task.DEFAULT_MAX_STEPS
     tail: float = synthetic_task.DEFAULT_TAIL
+    style: str = "chain"
 
     @classmethod
     def of(cls, config: TLTConfig) -> "TaskShape":
-        return cls(max_steps=config.data.max_solution_steps, tail=config.data.length_tail)
+        return cls(max_steps=config.data.max_solution_steps, tail=config.data.length_tail,
+                   style=config.data.solution_style)
 
     def problems(self, num: int, seed: int) -> list[synthetic_task.Problem]:
-        return synthetic_task.generate_problems(num, seed=seed, max_steps=self.max_steps, tail=self.tail)
+        return synthetic_task.generate_problems(num, seed=seed, max_steps=self.max_steps, tail=self.tail,
+                                                style=self.style)
 
 
 def policy_config(config: TLTConfig) -> dict:

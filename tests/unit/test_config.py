@@ -54,6 +54,7 @@ def test_bad_names_and_malformed_overrides_are_refused():
     ("model.tiny.num_attention_heads=3", "num_attention_heads 3 must divide hidden_size 128"),
     ("model.tiny.num_layers=0", "model.tiny.num_layers must be >= 1"),
     ("data.length_tail=0", "data.length_tail must be > 0"),
+    ("data.solution_style=prose", "data.solution_style must be one of chain, restate"),
     ("data.max_solution_steps=0", "data.max_solution_steps must be >= 1"),
     ("model.attention=flash", "model.attention must be one of sdpa, local, te"),
     ("trainer.recompute=partial", "trainer.recompute must be one of none, selective, full"),

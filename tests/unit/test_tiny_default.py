@@ -1,6 +1,8 @@
 """The tiny default follows its config: the policy's shape (``model.tiny``), the task's length tail
 (``data.max_solution_steps``, ``data.length_tail``), and a warm-up cache entry per shape."""
 
+import re
+
 import pytest
 
 from megatron_tlt.config import load_config
@@ -60,3 +62,23 @@ def test_each_policy_and_task_shape_has_its_own_warm_up_and_the_default_keeps_it
     assert entry(*[f"model.tiny.{k}={v}" for k, v in dict(
         num_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
         num_key_value_heads=2).items()]) == tmp_path / f"policy-{before}"
+
+
+def test_restated_solutions_copy_the_remaining_expression_and_grow_quadratically():
+    problem = next(p for p in synthetic_task.generate_problems(50, seed=4, style="restate") if p.num_steps == 3)
+    expression = problem.prompt.removeprefix(synthetic_task.PROMPT_PREFIX).removesuffix(synthetic_task.PROMPT_SUFFIX)
+    start, *operations = re.findall(r"^\d+|[+-]\d+", expression)
+    expected, value = [expression], int(start)
+    for i, operation in enumerate(operations):  # each line: the value so far, then what is left to do
+        value += int(operation)
+        expected.append(f"={value}" + "".join(operations[i + 1:]))
+    expected.append(f"{synthetic_task.ANSWER_MARKER} {problem.answer}")
+    assert problem.solution == " " + "\n".join(expected) and len(operations) == problem.num_steps == 3
+    for style in synthetic_task.SOLUTION_STYLES:
+        problems = synthetic_task.generate_problems(300, seed=1, style=style)
+        assert all(synthetic_task.is_correct(p.prompt, p.solution) for p in problems)
+    chain = synthetic_task.generate_problems(300, seed=1, max_steps=16)
+    restate = synthetic_task.generate_problems(300, seed=1, max_steps=16, style="restate")
+    assert [p.prompt for p in chain] == [p.prompt for p in restate]  # the same problems, written out differently
+    longest = max(range(300), key=lambda i: chain[i].num_steps)
+    assert len(restate[longest].solution) > 2 * len(chain[longest].solution)
