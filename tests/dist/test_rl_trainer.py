@@ -50,13 +50,14 @@ def _spans(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
 
 
-SLOW_RANK_SECONDS = 0.5
+SLOW_RANK_SECONDS = 1.5
 
 
 def _with_slow_rank(env: dict, **extra) -> dict:
     """``env`` with rank 1 holding every rollout SLOW_RANK_SECONDS after its engine is done
-    (helpers/slow_rank): rank 0 gets an idle window that long in every step, about 100x a 64-row drafter
-    micro-step, so whether the spot trainer trains there is no longer a wall-clock race."""
+    (helpers/slow_rank): rank 0 gets an idle window that long in every step, about 300x a 64-row drafter
+    micro-step, unless its own rollout ends later than rank 1's by more than that. 0.5 s was not enough
+    with another 2-rank job on both cores (rank 0 trained nothing in a step, twice in three runs)."""
     return dict(env, TLT_TEST_SLOW_RANK_SECONDS=str(SLOW_RANK_SECONDS), **extra,
                 PYTHONPATH=os.pathsep.join([str(HELPERS / "slow_rank"), env["PYTHONPATH"]]))
 
