@@ -75,7 +75,7 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
     }
     record.update({f"update/{k}": v for k, v in update.items()})
     record.update(_speculation_fields(per_rank))
-    record.update(_probe_fields(per_rank))
+    record.update(_alarm_fields(per_rank))
     record.update(summary_fields([p.tail for p in per_rank], timelines))
     return record
 
@@ -98,7 +98,7 @@ def _speculation_fields(per_rank: list[RankStepReport]) -> dict:
     return record
 
 
-def _probe_fields(per_rank: list[RankStepReport]) -> dict:
+def _alarm_fields(per_rank: list[RankStepReport]) -> dict:
     """The alarm count wherever an engine speculated or probed; the probe's acceptance where probes ran."""
     record = {}
     if any(p.alarm or p.probe is not None or (p.spec is not None and p.spec.num_drafts) for p in per_rank):

@@ -78,20 +78,21 @@ def _operations_text(operations: list[tuple[str, int]]) -> str:
     return "".join(f"{op}{operand}" for op, operand in operations)
 
 
+def _solution_lines(operations: list[tuple[str, int]], values: list[int], style: str) -> list[str]:
+    """The worked lines before the answer; ``values[i]`` is the value after the first i operations."""
+    if style == "restate":  # the expression, then "=" + each value so far + the operations left
+        return [("=" if i else "") + f"{value}{_operations_text(operations[i:])}" for i, value in enumerate(values)]
+    return [f"{value}{op}{operand}={result}" for value, (op, operand), result in zip(values, operations, values[1:])]
+
+
 def _format_problem(start: int, operations: list[tuple[str, int]], style: str = "chain") -> Problem:
     prompt = PROMPT_PREFIX + str(start) + _operations_text(operations) + PROMPT_SUFFIX
-    lines, value = [], start
-    if style == "restate":
-        lines.append(f"{start}{_operations_text(operations)}")
-    for i, (op, operand) in enumerate(operations):
-        result = _apply(value, op, operand)
-        if style == "restate":
-            lines.append(f"={result}{_operations_text(operations[i + 1:])}")
-        else:
-            lines.append(f"{value}{op}{operand}={result}")
-        value = result
-    solution = " " + "\n".join(lines) + f"\n{ANSWER_MARKER} {value}"
-    return Problem(prompt=prompt, solution=solution, answer=str(value), num_steps=len(operations))
+    values = [start]
+    for op, operand in operations:
+        values.append(_apply(values[-1], op, operand))
+    lines = _solution_lines(operations, values, style)
+    solution = " " + "\n".join(lines) + f"\n{ANSWER_MARKER} {values[-1]}"
+    return Problem(prompt=prompt, solution=solution, answer=str(values[-1]), num_steps=len(operations))
 
 
 def with_other_answer_format(solution: str) -> str:

@@ -48,7 +48,8 @@ TINY_POLICY_BASE = dict(
 
 @dataclasses.dataclass(frozen=True)
 class TaskShape:
-    """How long the task's worked solutions run (``data.max_solution_steps``, ``data.length_tail``)."""
+    """How long the task's worked solutions run and how they are written (``data.max_solution_steps``,
+    ``data.length_tail``, ``data.solution_style``); the defaults are the task's shape before these settings."""
 
     max_steps: int = synthetic_task.DEFAULT_MAX_STEPS
     tail: float = synthetic_task.DEFAULT_TAIL
