@@ -43,8 +43,9 @@ PROMPT_PREFIX = "Q: "
 PROMPT_SUFFIX = "=?\nA:"  # the prompt ends here; the model writes the solution next
 MAX_VALUE = 99  # every start value, intermediate and answer lies in 0..MAX_VALUE
 MAX_OPERAND = 9  # every operand lies in 1..MAX_OPERAND
-DEFAULT_MAX_STEPS = 20
-DEFAULT_TAIL = 1.5
+# The task's default shape is the config's (data.max_solution_steps, data.length_tail): one truth for both.
+DEFAULT_MAX_STEPS = config.DataConfig.max_solution_steps
+DEFAULT_TAIL = config.DataConfig.length_tail
 
 _PROMPT_RE = re.compile(rf"^{re.escape(PROMPT_PREFIX)}(\d+)((?:[+-]\d+)+){re.escape(PROMPT_SUFFIX)}$")
 _OPERATION_RE = re.compile(r"([+-])(\d+)")
