@@ -97,7 +97,10 @@ def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
     ranks: every rank of a pipeline/tensor group must call it with the same sequences.
     """
     model.eval()
-    batches = [sequences[i : i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size)]
+    # Length-sorted micro-batches pad little: a GRPO batch mixes short answers with the long tail.
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    slot = {i: position for position, i in enumerate(order)}  # sequence index -> place in sorted order
+    batches = [[sequences[i] for i in order[p : p + micro_batch_size]] for p in range(0, len(order), micro_batch_size)]
     device = module_device(model)
     input_multiple = mcore.sequence_multiple(model)
     padded = [pad_sequences(batch, pad_id, device=device, input_multiple=input_multiple) for batch in batches]
@@ -111,7 +114,7 @@ def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
         rows_by_batch: list[list[tuple[int, int, int]]] = [[] for _ in batches]
         offset = 0
         for i, n in zip(kept, rows):
-            rows_by_batch[i // micro_batch_size].append((i % micro_batch_size, offset, n))
+            rows_by_batch[slot[i] // micro_batch_size].append((slot[i] % micro_batch_size, offset, n))
             offset += n
         capture = _FinalNormCapture(model, rows_by_batch, _feature_buffer(model, offset))
     per_batch: list[torch.Tensor] = []
@@ -137,8 +140,9 @@ def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
             capture.remove()
     if not stage.is_last_stage:
         return LogProbResult(token_logprobs=[], feature_indices=kept, feature_rows=rows)
-    token_logprobs = [row[: len(seq) - 1] for batch_lp, batch in zip(per_batch, batches)
-                      for row, seq in zip(batch_lp, batch)]
+    sorted_logprobs = [row[: len(seq) - 1] for batch_lp, batch in zip(per_batch, batches)
+                       for row, seq in zip(batch_lp, batch)]
+    token_logprobs = [sorted_logprobs[slot[i]] for i in range(len(sequences))]
     return LogProbResult(token_logprobs=token_logprobs, feature_indices=kept, feature_rows=rows,
                          features=capture.out if capture is not None else None)
 
