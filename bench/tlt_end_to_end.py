@@ -1,12 +1,16 @@
-"""End to end: the tiny default with TLT fully on (spot trainer + BEG-MAB speculation) vs TLT off.
+"""End to end: the tiny default with TLT fully on (spot trainer + BEG-MAB speculation) vs TLT off, and
+beside them the skeptic's baseline: the same speculation with the drafter frozen after its cold start.
 
     python bench/tlt_end_to_end.py                       # 40 steps each, the tiny default
     python bench/tlt_end_to_end.py --steps 20 -- rollout.max_response_tokens=256
+    python bench/tlt_end_to_end.py --no-frozen           # only TLT off and TLT on
 
 Both runs use the same seeds and the same number of steps. TLT on starts its drafter from the benchmarks'
-cached warm-up drafter of the initial policy (``commands/start.bench_drafter``, made on first use, as ``tlt bench
+cached warm-up drafter of the initial policy (``commands/start.cold_start_drafter``, made on first use, as ``tlt bench
 rollout`` does), speculates up to depth ``--depth`` with BEG-MAB choosing per engine step, and trains the drafter
-on idle ranks. Prints the step-time ratio (total and per phase), and the reward and accuracy curves of
+on idle ranks. The frozen run is TLT on without the spot trainer: its drafter stays the cold-start one
+(in-domain, not random), so the acceptance ratio online / frozen is what training on idle ranks adds.
+Prints the step-time ratio (total and per phase), and the reward and accuracy curves of
 both runs side by side (sampling differs between them: speculative rollouts on CPU draw from the
 engine's RNG, so the curves are compared for being within noise, not for equality).
 """
@@ -20,11 +24,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+CONFIG = "tiny"  # tlt train's default; the cold-start drafter is made under the same config
 PHASES = ("rollout_seconds", "logprob_seconds", "update_seconds", "sync_seconds", "step_seconds")
 
 
 def _run(run_dir: Path, overrides: list[str]) -> list[dict]:
-    subprocess.run(["tlt", "train", f"trainer.run_dir={run_dir}", *overrides], check=True,
+    subprocess.run(["tlt", "train", "--config", CONFIG, f"trainer.run_dir={run_dir}", *overrides], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -38,18 +43,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--depth", type=int, default=4, help="deepest speculation BEG-MAB may choose")
     parser.add_argument("--drafter", default=None, help="initial drafter directory (default: the cached warm-up)")
+    parser.add_argument("--no-frozen", dest="frozen", action="store_false",
+                        help="skip the frozen-drafter run (speculation with the cold-start drafter, no spot training)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = parser.parse_args()
     if args.drafter is None:
-        from megatron_tlt.commands.start import bench_drafter
+        from megatron_tlt.commands.start import cold_start_drafter
 
-        args.drafter = str(bench_drafter(None, args.overrides))
+        args.drafter = str(cold_start_drafter(CONFIG, args.overrides))
     common = [f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0", *args.overrides]
     tlt_on = [f"drafter.speculative_tokens={args.depth}", "drafter.spot_training=true", "speculation.adaptive=true",
               f"drafter.init_dir={args.drafter}"]
     with tempfile.TemporaryDirectory() as tmp:
         off = _run(Path(tmp) / "off", common)
         on = _run(Path(tmp) / "on", common + tlt_on)
+        frozen = _run(Path(tmp) / "frozen", common + tlt_on + ["drafter.spot_training=false"]) if args.frozen else None
     # step 1 holds the engines' first-call costs in both runs; leave it out of the time ratio
     for key in PHASES:
         a, b = sum(r[key] for r in off[1:]), sum(r[key] for r in on[1:])
@@ -68,7 +76,22 @@ def main() -> None:
           f"on {_window_mean(on, 'reward_mean', half, args.steps):.3f}; reward std over steps (off) "
           f"{statistics.stdev(r['reward_mean'] for r in off[half:]):.3f}")
     total = sum(r["step_seconds"] for r in off[1:]) / sum(r["step_seconds"] for r in on[1:])
+    if frozen is not None:
+        _print_frozen_baseline(off, on, frozen, half)
     print(f"end-to-end step time, TLT off / on over steps 2-{args.steps}: {total:.3f}x")
+
+
+def _print_frozen_baseline(off: list[dict], on: list[dict], frozen: list[dict], half: int) -> None:
+    """Online vs frozen drafter over the second half of the steps, where the policy has moved on."""
+    def acceptance(records):
+        return statistics.fmean(r.get("spec/mean_acceptance_length", float("nan")) for r in records[half:])
+
+    online, still = acceptance(on), acceptance(frozen)
+    print(f"  acceptance length, steps {half + 1}-{len(on)}: online drafter {online:.2f}, frozen after the cold "
+          f"start {still:.2f}: ratio {online / still:.3f}x (accepted draft tokens: {(online - 1) / (still - 1):.3f}x)")
+    frozen_total = sum(r["step_seconds"] for r in off[1:]) / sum(r["step_seconds"] for r in frozen[1:])
+    print(f"  step time TLT off / frozen drafter: {frozen_total:.3f}x; rollout "
+          f"{sum(r['rollout_seconds'] for r in off[1:]) / sum(r['rollout_seconds'] for r in frozen[1:]):.3f}x")
 
 
 if __name__ == "__main__":

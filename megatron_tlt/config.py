@@ -312,6 +312,9 @@ class DrafterConfig:
     """auto (FP8 via Transformer Engine where the GPU and TE allow, else bf16 on GPU, fp32 on CPU), fp32, bf16, fp8."""
     init_dir: str | None = None
     """Start from this EAGLE drafter directory (e.g. made by ``tlt warmup-drafter``) instead of random weights."""
+    cold_start: bool = False
+    """With speculation on and no ``init_dir``: start from a cold-start drafter of the initial policy (``tlt
+    warmup-drafter`` on it, made on first use and cached beside the policy's warm-up) instead of random weights."""
     probe_prompts: int = 0
     """Speculating engines check every rollout's acceptance (the first after each policy sync and drafter
     push): an acceptance below ``acceptance_alarm`` is an ERROR line and counts in ``spec/acceptance_alarms``

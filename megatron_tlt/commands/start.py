@@ -68,6 +68,11 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
     _check_layout(config)  # before any directory is made or rank started
     launched = launched_world_size()
     under_torchrun = launched is not None
+    d = config.drafter
+    if resume_dir is None and d.cold_start and d.speculative_tokens > 0 and d.init_dir is None:
+        # Recorded in the run's config.yaml: a resumed run knows where its drafter started. Under torchrun
+        # every rank runs this: the drafter must be made beforehand (`tlt warmup-drafter`, or one `tlt train`).
+        d.init_dir = str(cold_start_drafter(config_name, overrides, make=not under_torchrun))
     if under_torchrun and launched != world_size(config):  # else each rank would start a world of its own
         raise ValueError(f"torchrun started {launched} ranks but the config needs tensor x pipeline x data "
                          f"parallel = {world_size(config)}; set parallel.data_parallel_size to match")
@@ -120,22 +125,32 @@ def _bench_rollout_on_rank(config, policy_dir, drafter_dir: str, settings):
     return bench_on_rank(config, policy_dir, drafter_dir, settings)
 
 
-# The benchmarks' drafter: a warm-up on every prompt of the tiny default, standing in for a drafter the
-# spot trainer has kept up with the policy (its top-1 agreement reached 0.84 in 40 RL steps).
+# The cold start: a warm-up on every prompt of the tiny default (4096), standing in for a drafter the spot
+# trainer has kept up with the policy (on the 4-layer default its top-1 agreement reached 0.84 in 40 RL steps).
 BENCH_DRAFTER_PROMPTS, BENCH_DRAFTER_EPOCHS = 4096, 4
+COLD_START_DRAFTER_FIELDS = ("lr", "pack_tokens", "hidden_weight", "ce_weight", "precision", "init_dir")
 
 
-def bench_drafter(config_name: str | None, overrides: list[str]) -> Path:
-    """The benchmarks' warm-up drafter of the config's initial policy, made on first use and cached."""
+def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: bool = True) -> Path:
+    """The cold-start drafter of the config's initial policy (``tlt warmup-drafter``), made on first use
+    (unless not ``make``) and cached: what ``drafter.cold_start`` and the benchmarks start from."""
     from megatron_tlt.rl import tiny_default
 
     config = load_config(config_name, overrides)
     settings = ColdStartSettings(prompts=BENCH_DRAFTER_PROMPTS, epochs=BENCH_DRAFTER_EPOCHS)
+    # Keyed by what the cold start reads, not by the RL-only drafter settings (depth, spot training, alarms):
+    # the TLT-on and TLT-off arms of a benchmark share one drafter.
+    drafter = {name: getattr(config.drafter, name) for name in COLD_START_DRAFTER_FIELDS}
+    sampling = dict(temperature=config.rollout.temperature, max_response_tokens=config.rollout.max_response_tokens)
     key = tiny_default.cache_key(warmup=dataclasses.asdict(config.warmup), model=dataclasses.asdict(config.model),
-                                 data=dataclasses.asdict(config.data),
-                                 drafter=dataclasses.asdict(config.drafter), cold_start=dataclasses.asdict(settings))
+                                 data=dataclasses.asdict(config.data), parallel=dataclasses.asdict(config.parallel),
+                                 seed=config.trainer.seed, sampling=sampling, drafter=drafter,
+                                 cold_start=dataclasses.asdict(settings))
     directory = tiny_default.cache_root(config.warmup.cache_dir) / f"drafter-{key}"
     if not (directory / "model.safetensors").is_file():
+        if not make:
+            raise FileNotFoundError(f"drafter.cold_start: no cold-start drafter cached at {directory}; under torchrun "
+                                    "make it first (the same command without torchrun) or set drafter.init_dir")
         print(f"no drafter given: warming one up on the initial policy (cached in {directory})", flush=True)
         start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), settings=settings)
     return directory
@@ -155,5 +170,5 @@ def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy
         config.data.held_out_prompts = max(config.data.held_out_prompts, settings.prompts * settings.rollouts)
     _check_layout(config)
     policy_dir = str(resolve_policy_dir(policy)) if policy is not None else None
-    drafter_dir = resolve_drafter_dir(drafter) if drafter is not None else bench_drafter(config_name, overrides)
+    drafter_dir = resolve_drafter_dir(drafter) if drafter is not None else cold_start_drafter(config_name, overrides)
     return _run_on_engine_ranks(_bench_rollout_on_rank, 1, config, policy_dir, str(drafter_dir), settings)[0]
