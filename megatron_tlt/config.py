@@ -177,6 +177,9 @@ class WarmupConfig:
     """Where the tokenizer and warmed-up policy are cached (None: $TLT_CACHE_DIR or ~/.cache/megatron-tlt)."""
     continue_optimizer: bool = True
     """RL continues the warm-up's Adam state (its second moments) instead of a fresh Adam."""
+    use_shipped: bool = True
+    """Install the package's shipped copy of the default's warm-up and cold-start drafter when one matches
+    this config's cache key (the same start on every machine, ``rl/shipped_start.py``); false: make them here."""
 
     def __post_init__(self) -> None:
         _require_at_least_one("warmup", sequences_per_step=self.sequences_per_step,

@@ -134,7 +134,7 @@ COLD_START_DRAFTER_FIELDS = ("lr", "pack_tokens", "hidden_weight", "ce_weight", 
 def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: bool = True) -> Path:
     """The cold-start drafter of the config's initial policy (``tlt warmup-drafter``), made on first use
     (unless not ``make``) and cached: what ``drafter.cold_start`` and the benchmarks start from."""
-    from megatron_tlt.rl import tiny_default
+    from megatron_tlt.rl import shipped_start, tiny_default
 
     config = load_config(config_name, overrides)
     settings = ColdStartSettings(prompts=BENCH_DRAFTER_PROMPTS, epochs=BENCH_DRAFTER_EPOCHS)
@@ -142,12 +142,14 @@ def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: b
     # the TLT-on and TLT-off arms of a benchmark share one drafter.
     drafter = {name: getattr(config.drafter, name) for name in COLD_START_DRAFTER_FIELDS}
     sampling = dict(temperature=config.rollout.temperature, max_response_tokens=config.rollout.max_response_tokens)
-    key = tiny_default.cache_key(warmup=dataclasses.asdict(config.warmup), model=dataclasses.asdict(config.model),
+    key = tiny_default.cache_key(warmup=tiny_default.warmup_recipe(config), model=dataclasses.asdict(config.model),
                                  data=dataclasses.asdict(config.data), parallel=dataclasses.asdict(config.parallel),
                                  seed=config.trainer.seed, sampling=sampling, drafter=drafter,
                                  cold_start=dataclasses.asdict(settings))
     directory = tiny_default.cache_root(config.warmup.cache_dir) / f"drafter-{key}"
     if not (directory / "model.safetensors").is_file():
+        if config.warmup.use_shipped and shipped_start.install(directory):
+            return directory
         if not make:
             raise FileNotFoundError(f"drafter.cold_start: no cold-start drafter cached at {directory}; under torchrun "
                                     "make it first (the same command without torchrun) or set drafter.init_dir")

@@ -19,7 +19,7 @@ from megatron_tlt.build_options import BuildOptions
 from megatron_tlt.config import TLTConfig, build_options
 from megatron_tlt.hf_io import HFCheckpointReader
 from megatron_tlt.model_config import PolicyArchitecture
-from megatron_tlt.rl import checkpoint, tiny_default
+from megatron_tlt.rl import checkpoint, shipped_start, tiny_default
 from megatron_tlt.rl.warmup import WarmupSchedule, run_warmup
 from megatron_tlt.tokenizer import Tokenizer
 
@@ -37,7 +37,7 @@ def checkpoint_meta(arch: PolicyArchitecture, dtype: str) -> policy_meta.PolicyC
 
 def warmed_up_dir(config: TLTConfig, tokenizer: Tokenizer) -> Path:
     """The cache entry of the warmed-up tiny policy for this config (it may not exist yet)."""
-    warmup = {k: v for k, v in dataclasses.asdict(config.warmup).items() if k not in ("cache_dir", "continue_optimizer")}
+    warmup = tiny_default.warmup_recipe(config)
     shape = tiny_default.TaskShape.of(config)
     # The default task shape keeps the key it had before the shape was configurable: cached entries stay valid.
     task = {} if shape == tiny_default.TaskShape() else dict(task=dataclasses.asdict(shape))
@@ -98,7 +98,8 @@ def initial_policy_dir(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyArch
         return None
     final = warmed_up_dir(config, tokenizer)
     if not (final / policy_meta.META_FILE).is_file():
-        _warm_up_tiny_policy(config, tokenizer, arch, final, show_progress)
+        if not (config.warmup.use_shipped and shipped_start.install(final)):
+            _warm_up_tiny_policy(config, tokenizer, arch, final, show_progress)
     elif show_progress:
         logger.info("using the cached warmed-up policy %s", final)
     return final

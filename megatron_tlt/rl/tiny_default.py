@@ -73,6 +73,12 @@ def policy_config(config: TLTConfig) -> dict:
                 num_key_value_heads=tiny.num_key_value_heads)
 
 
+def warmup_recipe(config: TLTConfig) -> dict:
+    """The warm-up settings that shape the warmed-up policy (not where it is cached or how RL uses it)."""
+    return {k: v for k, v in dataclasses.asdict(config.warmup).items()
+            if k not in ("cache_dir", "continue_optimizer", "use_shipped")}
+
+
 def cache_root(configured: str | None = None) -> Path:
     """Where made artifacts are kept: the configured directory, $TLT_CACHE_DIR, or ~/.cache/megatron-tlt."""
     root = configured or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "megatron-tlt"

@@ -54,7 +54,7 @@ def test_each_policy_and_task_shape_has_its_own_warm_up_and_the_default_keeps_it
     assert len(entries) == 4
     # the key the tiny default had before its shape was configurable: its cached warm-up stays valid
     config = load_config(None, [f"warmup.cache_dir={tmp_path}"])
-    warmup = {k: v for k, v in vars(config.warmup).items() if k not in ("cache_dir", "continue_optimizer")}
+    warmup = {k: v for k, v in vars(config.warmup).items() if k not in ("cache_dir", "continue_optimizer", "use_shipped")}
     before = tiny_default.cache_key(kind="warmup", policy=dict(
         tiny_default.TINY_POLICY_BASE, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2), vocab=tokenizer.vocab_size, warmup=warmup,
