@@ -45,7 +45,7 @@ def span_event(record: dict) -> dict:
 
 def track_metadata(ranks: Iterable[int], run_name: str) -> list[dict]:
     """Names the run's process and each rank's thread, and orders the threads by rank."""
-    events = [{"name": "process_name", "ph": "M", "pid": TRACE_PID, "tid": 0, "args": {"name": run_name}}]
+    events = [{"name": "process_name", "ph": "M", "pid": TRACE_PID, "args": {"name": run_name}}]
     for rank in sorted(set(ranks)):
         events.append({"name": "thread_name", "ph": "M", "pid": TRACE_PID, "tid": rank_tid(rank),
                        "args": {"name": f"rank {rank}"}})
