@@ -25,6 +25,8 @@ setup(
         "tokenizers>=0.20",
         "omegaconf>=2.3",
         "tensorboard>=2.15",
+        "wandb>=0.19",  # trainer.loggers=[...,wandb]; offline by default
+        "matplotlib>=3.7",  # RUN_DIR/timeline_last_step.png
         "tqdm>=4.66",
         "psutil>=5.9",
         "nvidia-ml-py>=12",

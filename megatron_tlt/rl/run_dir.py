@@ -4,7 +4,9 @@
     RUN_DIR/summary.json       one record per RL step (rewritten atomically after every step)
     RUN_DIR/eval_before_rl.json held-out accuracy of the starting policy
     RUN_DIR/timeline.jsonl     every rank's BUSY/IDLE spans, one JSON object per span
-    RUN_DIR/tensorboard/       scalars: reward, accuracy, lengths, phase times, idle share per rank
+    RUN_DIR/timeline.trace.json the same spans as a Chrome trace (Perfetto, chrome://tracing), rewritten each step
+    RUN_DIR/timeline_last_step.png the last step's spans, a row per rank
+    RUN_DIR/tensorboard/, wandb/ scalars (``trainer.loggers``): reward, accuracy, lengths, phase times, idle share
     RUN_DIR/checkpoints/step_N/ atomic checkpoints (``rl/checkpoint.py``)
 """
 
@@ -16,11 +18,15 @@ import time
 from pathlib import Path
 
 from megatron_tlt.atomic_files import write_text_atomic
+from megatron_tlt.rl.metric_loggers import MetricLoggers, scalar_metrics
+from megatron_tlt.timeline_plot import plot_step_timeline
+from megatron_tlt.timeline_trace import write_chrome_trace
 
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.jsonl"
-TENSORBOARD_DIR = "tensorboard"
+TRACE_FILE = "timeline.trace.json"
+TIMELINE_PLOT_FILE = "timeline_last_step.png"
 EVAL_BEFORE_RL_FILE = "eval_before_rl.json"
 
 
@@ -52,16 +58,19 @@ def _json_safe(value):
 
 
 class RunReporter:
-    """Rank 0's outputs: summary.json, timeline.jsonl, tensorboard scalars and the progress bar."""
+    """Rank 0's outputs: summary.json, the timeline (jsonl, Chrome trace, PNG), the scalars of
+    ``trainer.loggers`` and the progress bar."""
 
-    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, records: list[dict]):
-        from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, records: list[dict],
+                 loggers: MetricLoggers):
         from tqdm.auto import tqdm
 
         self.run_dir = run_dir
         self.records = records
-        # purge_step drops events a killed run wrote past the checkpoint we resume from.
-        self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else None)
+        self.spans = read_timeline(run_dir)  # a resumed run's, already cut back to its checkpoint
+        if self.spans:  # the trace of a killed run may hold the steps past that checkpoint
+            write_chrome_trace(run_dir / TRACE_FILE, self.spans, run_name=run_dir.name)
+        self.loggers = loggers
         self.progress = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True)
 
     def log_step(self, record: dict, timeline_records: list[dict]) -> None:
@@ -71,13 +80,11 @@ class RunReporter:
         with open(self.run_dir / TIMELINE_FILE, "a") as out:
             for span in timeline_records:
                 out.write(json.dumps(span) + "\n")
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and key != "step":
-                self.writer.add_scalar(key, value, step)
-            elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-                for rank, v in enumerate(value):
-                    self.writer.add_scalar(f"{key}/rank{rank}", v, step)
-        self.writer.flush()
+        self.spans.extend(timeline_records)
+        write_chrome_trace(self.run_dir / TRACE_FILE, self.spans, run_name=self.run_dir.name)
+        if timeline_records:
+            plot_step_timeline(timeline_records, self.run_dir / TIMELINE_PLOT_FILE)
+        self.loggers.log(scalar_metrics(record), step)
         postfix = dict(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.3f}",
                        len=f"{record['response_length_mean']:.0f}", idle=f"{100 * record['rollout_idle_share_mean']:.0f}%")
         if "spec/mean_acceptance_length" in record:
@@ -86,19 +93,22 @@ class RunReporter:
         self.progress.update(1)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, step)
-        self.writer.flush()
+        self.loggers.log(scalar_metrics(metrics), step)
         self.progress.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
 
     def close(self) -> None:
         self.progress.close()
-        self.writer.close()
+        self.loggers.close()
 
 
 def read_summary(run_dir: Path) -> list[dict]:
     path = run_dir / SUMMARY_FILE
     return json.loads(path.read_text()) if path.is_file() else []
+
+
+def read_timeline(run_dir: Path) -> list[dict]:
+    path = run_dir / TIMELINE_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
 
 
 def truncate_timeline(run_dir: Path, last_step: int) -> None:

@@ -33,7 +33,7 @@ from megatron_tlt import atomic_files, mcore
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.device import module_device
 from megatron_tlt.drafter.tlt_drafter import TailReport, TLTDrafter
-from megatron_tlt.rl import checkpoint, checkpoint_paths, policy_source, run_dir as run_files
+from megatron_tlt.rl import checkpoint, checkpoint_paths, metric_loggers, policy_source, run_dir as run_files
 from megatron_tlt.rl.actor import compute_logprobs, features_on_every_stage
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.data import PromptExample
@@ -125,8 +125,9 @@ class RLTrainer:
         if self.is_reporter:
             records = [r for r in run_files.read_summary(run_dir) if r["step"] <= self.start_step]
             run_files.truncate_timeline(run_dir, self.start_step)
-            self.reporter = run_files.RunReporter(run_dir, total_steps=config.trainer.steps,
-                                                  start_step=self.start_step, records=records)
+            self.reporter = run_files.RunReporter(
+                run_dir, total_steps=config.trainer.steps, start_step=self.start_step, records=records,
+                loggers=metric_loggers.open_metric_loggers(config, run_dir, start_step=self.start_step))
 
     # ------------------------------------------------------------------ set-up helpers
 

@@ -65,9 +65,12 @@ def _with_slow_rank(env: dict, **extra) -> dict:
 @pytest.fixture(scope="module")
 def killed_run(env, tmp_path_factory):
     """A plain run (no speculation, no spot trainer) killed with SIGKILL right after its step-2 checkpoint
-    (the launcher and both ranks, mid-run), then resumed to step 4."""
+    (the launcher and both ranks, mid-run), then resumed to step 4. It logs to wandb too, offline (the
+    default), with any attempt at the network sent to a closed local port."""
     run_dir = tmp_path_factory.mktemp("runs") / "killed"
-    args = ["tlt", "train", *SMALL, "trainer.steps=4", "trainer.save_every=2", f"trainer.run_dir={run_dir}"]
+    env = dict(env, WANDB_SILENT="true", WANDB_BASE_URL="http://127.0.0.1:9")
+    args = ["tlt", "train", *SMALL, "trainer.steps=4", "trainer.save_every=2", "trainer.loggers=[tensorboard,wandb]",
+            f"trainer.run_dir={run_dir}"]
     process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
     marker = run_dir / "checkpoints" / "step_000002" / "trainer.json"
@@ -134,6 +137,48 @@ def test_run_dir_holds_config_tensorboard_timeline_and_complete_checkpoints(kill
         ckpt = killed_run / "checkpoints" / name
         assert (ckpt / "trainer.json").is_file() and (ckpt / "policy" / "tlt_checkpoint.json").is_file()
         assert sorted(p.name for p in (ckpt / "trainer").iterdir()) == ["rank0.pt", "rank1.pt"]
+
+
+def test_the_timeline_trace_holds_every_span_of_timeline_jsonl_and_the_png_draws_the_last_step(killed_run):
+    """After a kill and a resume (which drops the spans past the checkpoint): one X event per span, on its
+    rank's track, named by phase and state, in whole microseconds."""
+    from matplotlib.image import imread
+
+    spans = _spans(killed_run)
+    events = json.loads((killed_run / "timeline.trace.json").read_text())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert sorted(tracks.values()) == ["rank 0", "rank 1"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == len(spans) and sorted({e["args"]["step"] for e in complete}) == [1, 2, 3, 4]
+    for span, event in zip(spans, complete):
+        assert (event["name"], tracks[event["tid"]], event["args"]["step"]) == (
+            f"{span['phase']} {span['state']}", f"rank {span['rank']}", span["step"])
+        assert event["ts"] == round(span["start"] * 1e6)
+        assert event["dur"] == round(span["end"] * 1e6) - round(span["start"] * 1e6)
+    image = imread(killed_run / "timeline_last_step.png")
+    assert image.shape[0] < 400 and image.shape[1] < 1000
+
+
+def test_wandb_offline_got_the_scalars_tensorboard_got_and_the_resume_continued_its_run(killed_run,
+                                                                                       wandb_offline_history):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_tlt.rl.metric_loggers import scalar_metrics
+
+    fragments = wandb_offline_history(killed_run / "wandb")
+    assert len(fragments) == 2 and fragments[0][0] == fragments[1][0]  # the killed process's and the resumed one's
+    resumed = fragments[1][1]
+    assert sorted(resumed) == [3, 4]  # and the held-out evaluation after the last step, logged with step 4
+    records = {r["step"]: r for r in _summary(killed_run)}
+    events = EventAccumulator(str(killed_run / "tensorboard"))
+    events.Reload()
+    tensorboard = {(e.step, tag): e.value for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
+    for step, logged in resumed.items():
+        want = scalar_metrics(records[step])
+        assert set(logged) == set(want) and "rollout_idle_share/rank1" in logged
+        for key, value in logged.items():
+            assert value == pytest.approx(want[key], nan_ok=True), key
+            assert tensorboard[step, key] == pytest.approx(value, rel=1e-6, nan_ok=True), key  # float32 there
 
 
 def _assert_same_policy_results(got: list[dict], want: list[dict]) -> None:
