@@ -300,6 +300,11 @@ class DrafterConfig:
     spot_training: bool = False
     """Train the drafter on ranks whose rollout share is done, until the slowest rank is done."""
     lr: float = 1e-3
+    """Learning rate of the drafter's training: its cold start (``tlt warmup-drafter``, ``cold_start``), and
+    the spot trainer's online steps unless ``spot_lr`` is set."""
+    spot_lr: float | None = None
+    """Learning rate of the spot trainer's online steps (None: ``lr``). A cold-started drafter needs gentler
+    steps than its cold start: they fine-tune it on a small buffer of recent responses, over and over."""
     buffer_tokens: int = 65536
     """Feature rows kept for drafter training; the oldest whole sequences are dropped first."""
     pack_tokens: int = 1024
@@ -338,6 +343,8 @@ class DrafterConfig:
         if self.speculative_tokens < 0 or self.buffer_tokens < 1 or self.pack_tokens < 1:
             raise ConfigError(f"drafter.speculative_tokens must be >= 0 and buffer_tokens, pack_tokens >= 1, got "
                               f"{self.speculative_tokens}, {self.buffer_tokens}, {self.pack_tokens}")
+        if self.lr <= 0 or (self.spot_lr is not None and self.spot_lr <= 0):
+            raise ConfigError(f"drafter.lr and drafter.spot_lr must be > 0, got {self.lr}, {self.spot_lr}")
         if self.spot_duty_cycle is not None and not 0.0 < self.spot_duty_cycle <= 1.0:
             raise ConfigError(f"drafter.spot_duty_cycle must be in (0, 1], got {self.spot_duty_cycle}")
         if self.spot_training_steps not in ("all", "even", "odd"):

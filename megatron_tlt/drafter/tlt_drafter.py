@@ -54,7 +54,8 @@ class TLTDrafter:
                  start_step: int, is_reporter: bool):
         d = config.drafter
         self.config, self.arch, self.run_dir = config, arch, run_dir
-        self.trainer = DrafterTrainer(arch, d, seed=config.trainer.seed, precision=resolve_precision(d.precision))
+        online = d if d.spot_lr is None else dataclasses.replace(d, lr=d.spot_lr)
+        self.trainer = DrafterTrainer(arch, online, seed=config.trainer.seed, precision=resolve_precision(d.precision))
         self.tokens_trained = 0
         """Drafter training tokens over the whole run (kept in its checkpoints)."""
         self.checkpointer, self.spot = None, None
