@@ -365,7 +365,7 @@ class SpeculationConfig:
     whether BEG-MAB is on or not, and the deepest arm against the engine's depth by ``arms``."""
 
     adaptive: bool = False
-    """Let the bandit choose the depth per engine step (needs drafter.speculative_tokens > 0, the most it may pick)."""
+    """Let the bandit choose the depth per engine step, up to drafter.speculative_tokens (moot when that is 0)."""
     bucket_bounds: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 5, 21, 32])
     """Inclusive upper batch-size bounds of the buckets (TLT's: 1, 2, 3-5, 6-21, 22-32, then 33+)."""
     depths: list[int] | None = None
@@ -520,7 +520,7 @@ class TLTConfig:
         if self.data.path is not None and self.model.hf_dir is None:
             raise ConfigError("data.path needs model.hf_dir (a policy with its tokenizer); the built-in tiny "
                               "policy only knows the built-in task")
-        if self.speculation.adaptive:
+        if self.speculation.adaptive and self.drafter.speculative_tokens > 0:  # without speculation: nothing to pick
             _check_speculation_fits_drafter(self)
 
 
@@ -535,9 +535,6 @@ def _check_layout(config: TLTConfig) -> None:
 
 def _check_speculation_fits_drafter(config: TLTConfig) -> None:
     """BEG-MAB chooses among depths the engines are built for: up to drafter.speculative_tokens."""
-    if config.drafter.speculative_tokens < 1:
-        raise ConfigError("speculation.adaptive needs drafter.speculative_tokens >= 1 (the deepest speculation "
-                          "the bandit may choose and the engines are built for)")
     config.speculation.arms(config.drafter.speculative_tokens)
 
 

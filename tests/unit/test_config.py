@@ -75,7 +75,6 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["speculation.adaptive=true"], "speculation.adaptive needs drafter.speculative_tokens >= 1"),
     (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.bucket_bounds=[1,5,5]"],
      r"speculation.bucket_bounds must be strictly increasing, got 5 then 5 .* the buckets would overlap"),
     (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.depths=[0,2,4]"],
@@ -186,3 +185,11 @@ def test_the_build_keys_become_the_policy_build_options():
                                 "parallel.sequence_parallel=true", "optimizer.distributed=true"])
     assert build_options(config) == BuildOptions(attention="local", recompute="selective", sequence_parallel=True)
     assert config.optimizer.distributed
+
+
+def test_tlt_is_on_in_the_tiny_default_and_two_overrides_turn_it_off():
+    on = load_config("tiny")
+    assert on.drafter.speculative_tokens > 0 and on.drafter.spot_training and on.drafter.cold_start
+    assert on.speculation.adaptive
+    off = load_config("tiny", ["drafter.speculative_tokens=0", "drafter.spot_training=false"])
+    assert off.drafter.speculative_tokens == 0 and not off.drafter.spot_training
