@@ -68,11 +68,6 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
     _check_layout(config)  # before any directory is made or rank started
     launched = launched_world_size()
     under_torchrun = launched is not None
-    d = config.drafter
-    if resume_dir is None and d.cold_start and d.speculative_tokens > 0 and d.init_dir is None:
-        # Recorded in the run's config.yaml: a resumed run knows where its drafter started. Under torchrun
-        # every rank runs this: the drafter must be made beforehand (`tlt warmup-drafter`, or one `tlt train`).
-        d.init_dir = str(cold_start_drafter(config_name, overrides, make=not under_torchrun))
     if under_torchrun and launched != world_size(config):  # else each rank would start a world of its own
         raise ValueError(f"torchrun started {launched} ranks but the config needs tensor x pipeline x data "
                          f"parallel = {world_size(config)}; set parallel.data_parallel_size to match")
@@ -94,6 +89,13 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
         config.trainer.run_dir = str(run_dir)
         if writer:
             run_files.prepare_new_run_dir(run_dir, to_yaml(config))
+    d = config.drafter
+    if resume_dir is None and d.cold_start and d.speculative_tokens > 0 and d.init_dir is None:
+        # Recorded in the run's config.yaml: a resumed run knows where its drafter started. Under torchrun
+        # every rank runs this: the drafter must be made beforehand (`tlt warmup-drafter`, or one `tlt train`).
+        d.init_dir = str(cold_start_drafter(config_name, overrides, make=not under_torchrun))
+        if writer:
+            atomic_files.write_text_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))
     results = _run_on_engine_ranks(_train_on_rank, world_size(config), config, str(run_dir), resume_dir is not None)
     return run_dir, results.get(0)  # under torchrun each rank holds only its own result (records on rank 0)
 
