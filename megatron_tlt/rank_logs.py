@@ -108,14 +108,30 @@ class _OneLineFormatter(logging.Formatter):
         return f"{line}: {type(err).__name__}: {err}" if err is not None else line
 
 
+def _columns(stream: TextIO) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError):  # not a terminal: the line starts after a carriage return all the same
+        return 80
+
+
 class _ConsoleHandler(logging.StreamHandler):
-    """Writes through tqdm, which clears a progress bar on the same stream first and redraws it after."""
+    """Writes through tqdm, which clears this process's progress bar first and redraws it after. Another
+    rank's bar (rank 0's) it cannot know of: a rank without one blanks the terminal's line first, so that
+    its line does not run on from the end of the bar."""
+
+    def __init__(self, stream: TextIO, *, blank_line_first: bool):
+        super().__init__(stream)
+        self.blank_line_first = blank_line_first
 
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm
 
         try:
-            tqdm.write(self.format(record), file=self.stream)
+            line = self.format(record)
+            if self.blank_line_first:
+                line = "\r" + " " * (_columns(self.stream) - 1) + "\r" + line
+            tqdm.write(line, file=self.stream)
         except Exception:
             self.handleError(record)
 
@@ -158,7 +174,7 @@ class RankOutput:
                 console_handler.setFormatter(logging.Formatter(_VERBOSE_FORMAT.format(rank=self.rank)))
             else:
                 _console = self._redirect_std_streams()
-                console_handler = _ConsoleHandler(_console)
+                console_handler = _ConsoleHandler(_console, blank_line_first=self.rank != 0)
                 console_handler.addFilter(_ConsoleFilter())
                 console_handler.setFormatter(_OneLineFormatter(_CONSOLE_FORMAT.format(rank=self.rank)))
             self._handlers = [self._file_handler, console_handler]
