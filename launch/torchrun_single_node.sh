@@ -8,8 +8,8 @@
 #                          without GPUs, the config's own world size tp x pp x dp)
 #   --run-dir DIR          run directory of a new run (default: $RUN_DIR, else runs/<time stamp>)
 #   --resume RUN_DIR       continue the run in RUN_DIR from its latest checkpoint (its config.yaml is used)
-#   --log-dir DIR          per-rank stdout/stderr (default: $LOG_DIR, else <run dir>.logs beside the run
-#                          directory: tlt refuses to start a new run in a directory that is not empty)
+#   --log-dir DIR          torchrun's copy of each rank's console: progress and errors (default: $LOG_DIR,
+#                          else <run dir>.logs beside the run directory); the full rank logs are in <run dir>/logs
 #   --dry-run              print the environment and the exact command instead of running it
 #   key=value ...          config overrides, passed through to `tlt train`
 #

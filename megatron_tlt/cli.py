@@ -42,7 +42,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             print(f"held-out accuracy before RL -> after: greedy {start['eval/greedy_accuracy']:.3f} -> "
                   f"{last['eval/greedy_accuracy']:.3f}, sampled {start['eval/sampled_accuracy']:.3f} -> "
                   f"{last['eval/sampled_accuracy']:.3f}")
-    print(f"run directory: {run_dir} (summary.json, tensorboard/, checkpoints/)")
+    print(f"run directory: {run_dir} (summary.json, tensorboard/, checkpoints/, logs/: every rank's full output)")
     return 0
 
 

@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from megatron_tlt.rank_logs import RankLogSettings, RankOutput, log_path
+
 
 class WorkerFailed(RuntimeError):
     """A launched rank raised; the message is the root cause reported by that rank."""
@@ -53,7 +55,8 @@ def silence_known_dependency_warnings() -> None:
 
 
 # What the fork server imports once for every rank it will fork; preload_in_ranks() adds to it.
-_FORKSERVER_PRELOAD = ["megatron_tlt.launcher", "megatron.core"]
+# preload_logging first: it holds what the imports after it log for the ranks' logs (rank_logs.py).
+_FORKSERVER_PRELOAD = ["megatron_tlt.preload_logging", "megatron_tlt.launcher", "megatron.core"]
 
 ENGINE_IMPORTS = ("vllm.entrypoints.llm",)
 """What ``from vllm import LLM`` imports (~7 s): preloaded by whatever launches ranks that run engines."""
@@ -108,7 +111,7 @@ def _threads_per_rank(nprocs: int) -> int:
     return max(1, (os.cpu_count() or 1) // nprocs)
 
 
-def _run_rank(fn: Callable, threads: int, log_level: int, environment: dict[str, str], args: tuple) -> Any:
+def _run_rank(fn: Callable, threads: int, logs: RankLogSettings, environment: dict[str, str], args: tuple) -> Any:
     import gc
 
     import torch
@@ -118,9 +121,14 @@ def _run_rank(fn: Callable, threads: int, log_level: int, environment: dict[str,
     gc.freeze()
     _adopt_environment(environment)
     torch.set_num_threads(threads)
-    # Spawned and forked ranks start with logging unconfigured: give them the launcher's level (`tlt -v`).
-    logging.basicConfig(level=log_level, format=f"%(asctime)s [rank{os.environ.get('RANK', '?')}] %(name)s: %(message)s")
-    return fn(*args)
+    # Spawned and forked ranks start with logging unconfigured: the launcher's level (`tlt -v`), its log directory.
+    output = RankOutput(logs, launched_rank())
+    output.start()  # never stopped: what the rank prints until it exits belongs to its log
+    try:
+        return fn(*args)
+    except BaseException:
+        output.log_failure()
+        raise
 
 
 def launched_world_size() -> int | None:
@@ -133,15 +141,38 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def run_on_ranks(fn: Callable, nprocs: int, *args: Any, isolated: bool = False) -> dict[int, Any]:
+def _failure_message(message: str, logs: RankLogSettings, rank: int) -> str:
+    message = message.strip().splitlines()[-1] if message.strip() else "failed"
+    return message if logs.directory is None else f"{message} (rank {rank}; full log: {log_path(logs.directory, rank)})"
+
+
+def _run_in_place(fn: Callable, logs: RankLogSettings, args: tuple) -> dict[int, Any]:
+    if logs.directory is None:
+        return {launched_rank(): fn(*args)}
+    output = RankOutput(logs, launched_rank())
+    output.start()
+    try:
+        return {launched_rank(): fn(*args)}
+    except Exception as err:
+        output.log_failure()
+        raise WorkerFailed(_failure_message(f"{type(err).__name__}: {err}", logs, launched_rank())) from None
+    finally:
+        output.stop()
+
+
+def run_on_ranks(fn: Callable, nprocs: int, *args: Any, isolated: bool = False,
+                 log_dir: str | None = None) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nprocs`` local ranks; returns {rank: return value}.
 
     ``fn`` must be importable (a module-level function): ranks are fresh processes, spawned or forked
     from the clean fork server, never from this one. A single rank runs in this process unless
-    ``isolated`` (e.g. to keep an engine's global state out of it).
+    ``isolated`` (e.g. to keep an engine's global state out of it). With ``log_dir`` each rank writes
+    its full output to ``log_dir/rank{N}.log`` and the console keeps rank 0's progress and every error
+    (``rank_logs.py``; ``tlt -v`` keeps the full console too); a rank's failure names its log.
     """
+    logs = RankLogSettings(directory=log_dir, level=logging.getLogger().getEffectiveLevel())
     if (nprocs == 1 and not isolated) or launched_world_size() == nprocs:
-        return {launched_rank(): fn(*args)}
+        return _run_in_place(fn, logs, args)
     # deferred: torch takes ~1.9 s to import, and every tlt command imports this module before it validates
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -158,10 +189,16 @@ def run_on_ranks(fn: Callable, nprocs: int, *args: Any, isolated: bool = False) 
         monitor_interval=0.1,
         start_method=_start_method(),
     )
+    # The agent logs a failed rank's traceback: with rank logs, it is in the rank's file instead.
+    agent_logger = logging.getLogger("torch.distributed.elastic")
+    agent_level = agent_logger.level
+    if log_dir is not None and not logs.verbose:
+        agent_logger.setLevel(logging.CRITICAL)
     try:
-        return elastic_launch(config, _run_rank)(fn, _threads_per_rank(nprocs),
-                                                 logging.getLogger().getEffectiveLevel(), _launch_environment(), args)
+        return elastic_launch(config, _run_rank)(fn, _threads_per_rank(nprocs), logs, _launch_environment(), args)
     except ChildFailedError as err:
-        _, first = err.get_first_failure()
+        rank, first = err.get_first_failure()
         message = first.message.get("message") if isinstance(first.message, dict) else first.message
-        raise WorkerFailed(str(message or err).strip().splitlines()[-1]) from None
+        raise WorkerFailed(_failure_message(str(message or err), logs, rank)) from None
+    finally:
+        agent_logger.setLevel(agent_level)

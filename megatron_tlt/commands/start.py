@@ -48,15 +48,18 @@ def _check_layout(config) -> None:
     layout_rules.check_run_layout(config, arch)
 
 
-def _run_on_engine_ranks(fn, nprocs: int, *args) -> dict:
-    """``fn`` on fresh rank processes that start vLLM engines (``launcher.run_on_ranks``)."""
+def _run_on_engine_ranks(fn, nprocs: int, *args, log_dir: Path | None = None) -> dict:
+    """``fn`` on fresh rank processes that start vLLM engines (``launcher.run_on_ranks``); with ``log_dir``
+    each rank's full output goes to ``log_dir/rank{N}.log`` and the console keeps progress and errors."""
     from megatron_tlt import launcher
 
     # vLLM warns about things that do not apply here (no tokenizer by design, the rotary embedding
-    # having no weights to reload); keep the console for progress and results.
+    # having no weights to reload); keep the console for progress and results. (With a log_dir its
+    # records go, at INFO, to the rank logs instead: rank_logs.py.)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     launcher.preload_in_ranks(*launcher.ENGINE_IMPORTS)
-    return launcher.run_on_ranks(fn, nprocs, *args, isolated=True)
+    return launcher.run_on_ranks(fn, nprocs, *args, isolated=True,
+                                 log_dir=str(log_dir) if log_dir is not None else None)
 
 
 def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str | None = None):
@@ -96,7 +99,8 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
         d.init_dir = str(cold_start_drafter(config_name, overrides, make=not under_torchrun))
         if writer:
             atomic_files.write_text_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))
-    results = _run_on_engine_ranks(_train_on_rank, world_size(config), config, str(run_dir), resume_dir is not None)
+    results = _run_on_engine_ranks(_train_on_rank, world_size(config), config, str(run_dir), resume_dir is not None,
+                                   log_dir=run_dir / run_files.LOG_DIR)
     return run_dir, results.get(0)  # under torchrun each rank holds only its own result (records on rank 0)
 
 

@@ -63,8 +63,11 @@ def _warm_up_tiny_policy(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyAr
     if show_progress:
         from tqdm.auto import tqdm
 
+        from megatron_tlt.rank_logs import console
+
+        # leave=False: once the warm-up is done the RL steps' bar is the console's only one
         progress = tqdm(total=schedule.steps, desc="supervised warm-up (cached for later runs)", unit="step",
-                        dynamic_ncols=True)
+                        dynamic_ncols=True, file=console(), leave=False)
 
     def on_step(step: int, loss: float | None) -> None:
         if progress is not None:

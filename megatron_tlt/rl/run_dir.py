@@ -8,6 +8,8 @@
     RUN_DIR/timeline_last_step.png the last step's spans, a row per rank
     RUN_DIR/tensorboard/, wandb/ scalars (``trainer.loggers``): reward, accuracy, lengths, phase times, idle share
     RUN_DIR/checkpoints/step_N/ atomic checkpoints (``rl/checkpoint.py``)
+    RUN_DIR/logs/rank{N}.log   each rank's full output (``rank_logs.py``); the console keeps rank 0's
+                               progress bar and RunReporter's lines, and every rank's errors
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ TIMELINE_FILE = "timeline.jsonl"
 TRACE_FILE = "timeline.trace.json"
 TIMELINE_PLOT_FILE = "timeline_last_step.png"
 EVAL_BEFORE_RL_FILE = "eval_before_rl.json"
+LOG_DIR = "logs"
 
 
 class RunDirError(ValueError):
@@ -39,8 +42,9 @@ def default_run_dir() -> str:
 
 
 def prepare_new_run_dir(run_dir: Path, config_yaml: str) -> None:
-    """Create ``run_dir`` for a new run; refuse one that already holds a run (``--resume`` continues it)."""
-    if run_dir.exists() and any(run_dir.iterdir()):
+    """Create ``run_dir`` for a new run; refuse one that already holds a run (``--resume`` continues it).
+    Under torchrun the other ranks may have started their logs in it already."""
+    if run_dir.exists() and any(p.name != LOG_DIR for p in run_dir.iterdir()):
         raise RunDirError(f"run directory {run_dir} already holds a run: continue it with "
                           f"`tlt train --resume {run_dir}`, or choose another trainer.run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -65,13 +69,17 @@ class RunReporter:
                  loggers: MetricLoggers):
         from tqdm.auto import tqdm
 
+        from megatron_tlt.rank_logs import console
+
         self.run_dir = run_dir
         self.records = records
         self.spans = read_timeline(run_dir)  # a resumed run's, already cut back to its checkpoint
         if self.spans:  # the trace of a killed run may hold the steps past that checkpoint
             write_chrome_trace(run_dir / TRACE_FILE, self.spans, run_name=run_dir.name)
         self.loggers = loggers
-        self.progress = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True)
+        self.console = console()  # the terminal, while the rank's own output goes to RUN_DIR/logs
+        self.progress = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True,
+                             file=self.console)
 
     def log_step(self, record: dict, timeline_records: list[dict]) -> None:
         step = record["step"]
@@ -87,18 +95,43 @@ class RunReporter:
         self.loggers.log(scalar_metrics(record), step)
         postfix = dict(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.3f}",
                        len=f"{record['response_length_mean']:.0f}", idle=f"{100 * record['rollout_idle_share_mean']:.0f}%")
-        if "spec/mean_acceptance_length" in record:
-            postfix["accept_len"] = f"{record['spec/mean_acceptance_length']:.2f}"
         self.progress.set_postfix(**postfix, refresh=False)
+        for line in (tlt_line(record), eval_line(step, record)):
+            if line is not None:
+                self.progress.write(line, file=self.console)
         self.progress.update(1)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         self.loggers.log(scalar_metrics(metrics), step)
-        self.progress.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        self.progress.write(eval_line(step, metrics), file=self.console)
 
     def close(self) -> None:
         self.progress.close()
         self.loggers.close()
+
+
+def eval_line(step: int, record: dict) -> str | None:
+    """The console line of an evaluation: the record's held-out accuracies (None if it has none)."""
+    metrics = {k: v for k, v in record.items() if k.startswith("eval/")}
+    return f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()) if metrics else None
+
+
+def tlt_line(record: dict) -> str | None:
+    """The console line of TLT's step: acceptance of the speculative rollout, the share of the rollout's idle
+    time the drafter trained in, the drafter's loss (None when neither speculation nor the drafter ran)."""
+    parts = []
+    if "spec/mean_acceptance_length" in record:
+        parts.append(f"acceptance length {record['spec/mean_acceptance_length']:.2f} "
+                     f"({100 * record['spec/acceptance_rate']:.0f}% of draft tokens)")
+    if "drafter/loss" in record:
+        idle = sum(record["rollout_idle_seconds"])
+        trained = sum(record["rollout_training_seconds"]) / idle if idle > 0 else 0.0
+        loss = record["drafter/loss"]  # None (NaN) when no rank had tokens to train on
+        parts.append(f"idle share trained {100 * trained:.0f}%, drafter loss "
+                     + (f"{loss:.3f}" if loss is not None and math.isfinite(loss) else "-"))
+    if record.get("spec/acceptance_alarms"):
+        parts.append(f"acceptance alarms {record['spec/acceptance_alarms']}")
+    return f"step {record['step']} TLT: " + ", ".join(parts) if parts else None
 
 
 def read_summary(run_dir: Path) -> list[dict]:

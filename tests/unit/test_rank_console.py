@@ -1,0 +1,67 @@
+"""A rank's output with a log directory: everything in rank{N}.log, on the console only what a user watches
+(``rank_logs.RankOutput``), and the step's console lines of ``tlt train`` (``rl/run_dir.py``)."""
+
+import logging
+import math
+import os
+import sys
+import warnings
+
+from megatron_tlt.rank_logs import RankLogSettings, RankOutput, console
+from megatron_tlt.rl.run_dir import eval_line, tlt_line
+
+
+def test_the_log_holds_every_record_warning_and_raw_write_and_the_console_our_warnings_and_all_errors(
+        tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "1")  # restored after the test: start() sets it to 0
+    output = RankOutput(RankLogSettings(directory=str(tmp_path / "logs"), level=logging.WARNING), rank=1)
+    output.start()
+    try:
+        assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"
+        logging.getLogger("vllm.engine").info("engine ready")
+        logging.getLogger("vllm.engine").warning("a vllm warning")
+        logging.getLogger("megatron_tlt.rl.data").warning("skipped bad prompt rows")
+        logging.getLogger("vllm.engine").error("a vllm error")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("a deprecated call", FutureWarning)
+        os.write(2, b"a C++ notice\n")  # what bypasses Python: straight to file descriptors 2 and 1
+        os.write(1, b"a C printf\n")
+        try:
+            raise RuntimeError("injected")
+        except RuntimeError:
+            logging.getLogger("megatron_tlt.drafter.spot").exception("drafter training failed")
+        print("a progress line", file=console())
+    finally:
+        output.stop()
+    terminal = capfd.readouterr()
+    log = (tmp_path / "logs" / "rank1.log").read_text()
+
+    for text in ("INFO vllm.engine: engine ready", "WARNING vllm.engine: a vllm warning", "FutureWarning: a deprecated",
+                 "a C++ notice", "a C printf", "skipped bad prompt rows", "ERROR vllm.engine: a vllm error",
+                 "Traceback (most recent call last):"):
+        assert text in log, text
+    assert terminal.out == ""
+    # a rank other than 0 blanks the terminal's line (where rank 0's bar may be) before each of its lines
+    assert terminal.err.startswith("\r" + " " * 79 + "\r[rank1] WARNING: ")
+    assert [line for line in terminal.err.splitlines() if line.strip()] == [
+        "[rank1] WARNING: skipped bad prompt rows",
+        "[rank1] ERROR: a vllm error",
+        "[rank1] ERROR: drafter training failed: RuntimeError: injected",  # the traceback stays in the file
+        "a progress line",
+    ]
+    assert console() is sys.stderr  # stop() gave the process its streams back
+
+
+def test_eval_and_tlt_lines_name_the_step_and_its_figures():
+    assert eval_line(4, {"reward_mean": 0.5, "eval/greedy_accuracy": 0.4219, "eval/sampled_accuracy": 0.3}) == (
+        "step 4: eval/greedy_accuracy 0.422, eval/sampled_accuracy 0.300")
+    assert eval_line(3, {"reward_mean": 0.5}) is None
+    plain = {"step": 2, "rollout_idle_seconds": [1.0, 0.0], "rollout_training_seconds": [0.0, 0.0]}
+    assert tlt_line(plain) is None  # TLT off: no line
+    record = {**plain, "spec/mean_acceptance_length": 1.84, "spec/acceptance_rate": 0.42,
+              "rollout_training_seconds": [0.25, 0.0], "drafter/loss": 2.3125, "spec/acceptance_alarms": 0}
+    assert tlt_line(record) == ("step 2 TLT: acceptance length 1.84 (42% of draft tokens), idle share trained 25%, "
+                                "drafter loss 2.312")
+    untrained = {**plain, "drafter/loss": math.nan, "spec/acceptance_alarms": 1}
+    assert tlt_line(untrained) == "step 2 TLT: idle share trained 0%, drafter loss -, acceptance alarms 1"
