@@ -8,7 +8,8 @@ from megatron_tlt.commands.start import cold_start_drafter
 
 def _entry(tmp_path, *overrides: str):
     with pytest.raises(FileNotFoundError, match="drafter.cold_start: no cold-start drafter cached at") as err:
-        cold_start_drafter("tiny", [f"warmup.cache_dir={tmp_path}", *overrides], make=False)
+        cold_start_drafter("tiny", [f"warmup.cache_dir={tmp_path}", "warmup.use_shipped=false", *overrides],
+                           make=False)
     return str(err.value).split(" cached at ")[1].split(";")[0]
 
 
@@ -19,7 +20,7 @@ def test_tlt_on_and_off_share_the_cold_start_drafter(tmp_path):
     assert off == on and off.startswith(str(tmp_path / "drafter-"))
 
 
-@pytest.mark.parametrize("override", ["rollout.temperature=0.6", "rollout.max_response_tokens=64", "drafter.lr=3e-3",
+@pytest.mark.parametrize("override", ["rollout.temperature=0.6", "rollout.max_response_tokens=64", "drafter.lr=1e-2",
                                       "model.tiny.num_layers=2", "data.max_solution_steps=8", "trainer.seed=7",
                                       "parallel.data_parallel_size=1"])
 def test_what_the_cold_start_reads_changes_the_entry(tmp_path, override):

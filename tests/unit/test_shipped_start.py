@@ -43,3 +43,20 @@ def test_every_shipped_file_matches_the_manifest():
     manifest = shipped_start.read_manifest()
     for name, files in manifest["entries"].items():
         assert shipped_start.entry_files(shipped_start.SHIPPED_DIR / name) == files, name
+
+
+def test_the_tiny_default_starts_from_the_shipped_policy_and_drafter(tmp_path):
+    """The shipped copies are the current default's: a change to what their cache keys hold (shape, warm-up
+    or cold-start recipe) must ship new ones (``python -m checkpoints_tools.ship_tiny_default``)."""
+    from megatron_tlt.commands.start import cold_start_drafter
+    from megatron_tlt.config import load_config
+    from megatron_tlt.rl import tiny_default
+    from megatron_tlt.rl.policy_source import warmed_up_dir
+
+    shipped = set(shipped_start.read_manifest()["entries"])
+    config = load_config("tiny", [f"warmup.cache_dir={tmp_path}"])
+    tokenizer = tiny_default.load_task_tokenizer(tmp_path)
+    assert warmed_up_dir(config, tokenizer).name in shipped
+    # installed from the package, not made: nothing is launched
+    drafter = cold_start_drafter("tiny", [f"warmup.cache_dir={tmp_path}"], make=False)
+    assert drafter.name in shipped and (drafter / "model.safetensors").is_file()
