@@ -52,10 +52,12 @@ def main() -> None:
 
         args.drafter = str(cold_start_drafter(CONFIG, args.overrides))
     common = [f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0", *args.overrides]
+    # Both arms say what they are: the default has TLT on, and an override may change that.
+    tlt_off = ["drafter.speculative_tokens=0", "drafter.spot_training=false"]
     tlt_on = [f"drafter.speculative_tokens={args.depth}", "drafter.spot_training=true", "speculation.adaptive=true",
               f"drafter.init_dir={args.drafter}"]
     with tempfile.TemporaryDirectory() as tmp:
-        off = _run(Path(tmp) / "off", common)
+        off = _run(Path(tmp) / "off", common + tlt_off)
         on = _run(Path(tmp) / "on", common + tlt_on)
         frozen = _run(Path(tmp) / "frozen", common + tlt_on + ["drafter.spot_training=false"]) if args.frozen else None
     # step 1 holds the engines' first-call costs in both runs; leave it out of the time ratio
