@@ -108,12 +108,12 @@ def read_wandb_history(wandb_dir: Path) -> list[tuple[str, dict[int, dict[str, f
     ``_runtime``, ...)."""
     runs = []
     for run_file in wandb_dir.glob("offline-run-*/run-*.wandb"):
-        started, history = None, {}
+        # The directory is named offline-run-YYYYMMDD_HHMMSS-<id>: it orders the runs even when a killed
+        # process's file lost its run record (wandb flushes it late).
+        started, history = run_file.parent.name, {}
         for record in _wandb_file_records(run_file):
             kind = record.WhichOneof("record_type")
-            if kind == "run":
-                started = record.run.start_time.ToNanoseconds()
-            elif kind == "history":
+            if kind == "history":
                 items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item}
                 history[items["_step"]] = {k: v for k, v in items.items() if not k.startswith("_")}
