@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 HELPERS = Path(__file__).parent / "helpers"
+TLT_OFF = ["drafter.speculative_tokens=0", "drafter.spot_training=false"]  # the default has TLT on
 SMALL = [
     # The 4-layer shape of the tiny default before issue 18, with TLT off: fast and well measured; each test
     # turns on what it tests.
@@ -341,7 +342,7 @@ def hf_run(env, tmp_path_factory):
                     "rollout.max_response_tokens=16", "optimizer.lr=1e-3", "trainer.eval_every=0",
                     "data.reward=group_rewards:every_other_group_equal", "trainer.steps=2", "trainer.save_every=1",
                     "algorithm.kl_coef=0.05", "trainer.updates_per_step=2", "algorithm.filter_equal_reward_groups=true",
-                    "algorithm.advantage=rloo", f"trainer.run_dir={run_dir}")
+                    "algorithm.advantage=rloo", "trainer.micro_batch_size=4", *TLT_OFF, f"trainer.run_dir={run_dir}")
     return run_dir, result.stderr, reward_log
 
 
