@@ -139,7 +139,7 @@ def test_train_impossible_layout_is_refused_before_any_rank_starts(tmp_path):
 def test_train_tensor_parallel_not_dividing_heads_is_refused(tmp_path):
     result = _tlt("train", "parallel.tensor_parallel_size=3", "parallel.data_parallel_size=1",
                   "trainer.prompts_per_step=3", f"trainer.run_dir={tmp_path / 'run'}")
-    _assert_one_error_line(result, "tensor parallel size 3 does not divide num_attention_heads 4")
+    _assert_one_error_line(result, "tensor parallel size 3 does not divide num_attention_heads 2")
     assert not (tmp_path / "run").exists()
 
 

@@ -14,6 +14,11 @@ from megatron_tlt.rl.run_dir import eval_line, tlt_line
 def test_the_log_holds_every_record_warning_and_raw_write_and_the_console_our_warnings_and_all_errors(
         tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "1")  # restored after the test: start() sets it to 0
+    # As in a rank, where vLLM is imported after that: in this process an earlier test may have imported
+    # it with its own handler on a logger that does not propagate.
+    vllm_logger = logging.getLogger("vllm")
+    for name, value in (("propagate", True), ("level", logging.NOTSET), ("handlers", []), ("disabled", False)):
+        monkeypatch.setattr(vllm_logger, name, value)
     output = RankOutput(RankLogSettings(directory=str(tmp_path / "logs"), level=logging.WARNING), rank=1)
     output.start()
     try:
