@@ -19,20 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
+import small_runs
+from small_runs import TLT_OFF
 
 HELPERS = Path(__file__).parent / "helpers"
-TLT_OFF = ["drafter.speculative_tokens=0", "drafter.spot_training=false"]  # the default has TLT on
-SMALL = [
-    # The 4-layer shape of the tiny default before issue 18, with TLT off: fast and well measured; each test
-    # turns on what it tests.
-    "model.tiny.num_layers=4", "model.tiny.hidden_size=128", "model.tiny.intermediate_size=256",
-    "model.tiny.num_attention_heads=4", "model.tiny.num_key_value_heads=2", "data.max_solution_steps=20",
-    "trainer.micro_batch_size=4", "drafter.speculative_tokens=0", "drafter.spot_training=false",
-    "drafter.cold_start=false", "drafter.lr=1e-3", "drafter.spot_lr=null", "speculation.adaptive=false",
-    "warmup.steps=30", "warmup.corpus_size=1024", "data.synthetic_prompts=256", "data.held_out_prompts=16",
-    "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=48",
-    "trainer.eval_every=0", "optimizer.lr=1e-3", "data.reward=length_reward:shorter_is_better",
-]
+# the shared small run, with this module's learning rate and a reward that every response earns differently
+SMALL = [*small_runs.SMALL, "optimizer.lr=1e-3", "data.reward=length_reward:shorter_is_better"]
 HANG_GUARD_S = 840  # subprocess limits: hang guards only, under pytest.ini's 900 s a test (a run took 115 s)
 STEP_KEYS = ("reward_mean", "accuracy", "response_length_mean", "response_length_max", "rollout_seconds",
              "logprob_seconds", "update_seconds", "sync_seconds", "rollout_idle_share", "rollout_busy_seconds")
