@@ -137,13 +137,13 @@ BENCH_DRAFTER_PROMPTS, BENCH_DRAFTER_EPOCHS = 4096, 4
 COLD_START_DRAFTER_FIELDS = ("lr", "pack_tokens", "hidden_weight", "ce_weight", "precision", "init_dir")
 
 
-def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: bool = True) -> Path:
-    """The cold-start drafter of the config's initial policy (``tlt warmup-drafter``), made on first use
-    (unless not ``make``) and cached: what ``drafter.cold_start`` and the benchmarks start from."""
-    from megatron_tlt.rl import shipped_start, tiny_default
+COLD_START = ColdStartSettings(prompts=BENCH_DRAFTER_PROMPTS, epochs=BENCH_DRAFTER_EPOCHS)
 
-    config = load_config(config_name, overrides)
-    settings = ColdStartSettings(prompts=BENCH_DRAFTER_PROMPTS, epochs=BENCH_DRAFTER_EPOCHS)
+
+def cold_start_dir(config) -> Path:
+    """The cache entry of the config's cold-start drafter (it may not exist yet)."""
+    from megatron_tlt.rl import tiny_default
+
     # Keyed by what the cold start reads, not by the RL-only drafter settings (depth, spot training, alarms):
     # the TLT-on and TLT-off arms of a benchmark share one drafter.
     drafter = {name: getattr(config.drafter, name) for name in COLD_START_DRAFTER_FIELDS}
@@ -151,8 +151,18 @@ def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: b
     key = tiny_default.cache_key(warmup=tiny_default.warmup_recipe(config), model=dataclasses.asdict(config.model),
                                  data=dataclasses.asdict(config.data), parallel=dataclasses.asdict(config.parallel),
                                  seed=config.trainer.seed, sampling=sampling, drafter=drafter,
-                                 cold_start=dataclasses.asdict(settings))
-    directory = tiny_default.cache_root(config.warmup.cache_dir) / f"drafter-{key}"
+                                 cold_start=dataclasses.asdict(COLD_START))
+    return tiny_default.cache_root(config.warmup.cache_dir) / f"drafter-{key}"
+
+
+def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: bool = True) -> Path:
+    """The cold-start drafter of the config's initial policy (``tlt warmup-drafter``), installed from the
+    package or made on first use (unless not ``make``) and cached: what ``drafter.cold_start`` and the
+    benchmarks start from."""
+    from megatron_tlt.rl import shipped_start
+
+    config = load_config(config_name, overrides)
+    directory = cold_start_dir(config)
     if not (directory / "model.safetensors").is_file():
         if config.warmup.use_shipped and shipped_start.install(directory):
             return directory
@@ -160,7 +170,7 @@ def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: b
             raise FileNotFoundError(f"drafter.cold_start: no cold-start drafter cached at {directory}; under torchrun "
                                     "make it first (the same command without torchrun) or set drafter.init_dir")
         print(f"no drafter given: warming one up on the initial policy (cached in {directory})", flush=True)
-        start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), settings=settings)
+        start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), settings=COLD_START)
     return directory
 
 

@@ -3,14 +3,12 @@ start reads, shared by runs that differ only in RL-side drafter settings."""
 
 import pytest
 
-from megatron_tlt.commands.start import cold_start_drafter
+from megatron_tlt.commands.start import cold_start_dir, cold_start_drafter
+from megatron_tlt.config import load_config
 
 
-def _entry(tmp_path, *overrides: str):
-    with pytest.raises(FileNotFoundError, match="drafter.cold_start: no cold-start drafter cached at") as err:
-        cold_start_drafter("tiny", [f"warmup.cache_dir={tmp_path}", "warmup.use_shipped=false", *overrides],
-                           make=False)
-    return str(err.value).split(" cached at ")[1].split(";")[0]
+def _entry(tmp_path, *overrides: str) -> str:
+    return str(cold_start_dir(load_config("tiny", [f"warmup.cache_dir={tmp_path}", *overrides])))
 
 
 def test_tlt_on_and_off_share_the_cold_start_drafter(tmp_path):
@@ -18,6 +16,10 @@ def test_tlt_on_and_off_share_the_cold_start_drafter(tmp_path):
     on = _entry(tmp_path, "drafter.speculative_tokens=4", "drafter.spot_training=true", "drafter.cold_start=true",
                 "speculation.adaptive=true", "drafter.probe_prompts=2")
     assert off == on and off.startswith(str(tmp_path / "drafter-"))
+    # not shipped, not made: under torchrun it must exist beforehand
+    with pytest.raises(FileNotFoundError, match="drafter.cold_start: no cold-start drafter cached at") as err:
+        cold_start_drafter("tiny", [f"warmup.cache_dir={tmp_path}", "warmup.use_shipped=false"], make=False)
+    assert str(err.value).split(" cached at ")[1].split(";")[0] == off
 
 
 @pytest.mark.parametrize("override", ["rollout.temperature=0.6", "rollout.max_response_tokens=64", "drafter.lr=1e-2",
