@@ -24,12 +24,16 @@ OBJECT_STORE_BYTES = 128 * 1024 * 1024
 AGENT_START_TIMEOUT_MS = 120_000
 
 
+def _quiet_auth_notice() -> None:
+    """Ray announces its default (token authentication on) in a WARNING on every start: keep it on, quietly."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+
+
 def start_local_ray(num_cpus: int) -> str:
     """Start a private Ray instance in this process (a head with ``num_cpus`` logical CPUs); returns its address."""
     import ray
 
-    # Ray announces its default (token authentication on) in a WARNING on every start: keep it on, quietly.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    _quiet_auth_notice()
     # The raylet gives its Python agents 15 s to start and then aborts; they took 20 s on this 2-core
     # machine under load. Ray's own setting, for the raylet this start spawns (a user's value wins).
     added = "RAY_agent_register_timeout_ms" not in os.environ
@@ -45,22 +49,24 @@ def start_local_ray(num_cpus: int) -> str:
 
 
 def join_local_ray(address: str) -> None:
-    """Join the private instance another rank of this node started.
+    """Join the private instance another rank of this node started, with its token authentication.
 
-    Given through RAY_ADDRESS rather than as an argument: only then does Ray turn token authentication on
-    in this process from the token file the instance wrote (Ray reads its auth mode once, at import).
+    ray.init turns token authentication on (from the token file the instance wrote) only for a local cluster
+    it finds itself, never for one given by address, and Ray reads its auth mode once, at import: vLLM
+    imports Ray before a rank's code runs. So this process turns it on first, with Ray's own step for that
+    case (absent from Ray releases before token authentication, which need none).
     """
     import ray
 
-    previous = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = address
+    _quiet_auth_notice()
     try:
-        ray.init(logging_level=logging.WARNING)
-    finally:
-        if previous is None:
-            os.environ.pop("RAY_ADDRESS")
-        else:
-            os.environ["RAY_ADDRESS"] = previous
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:
+        pass
+    else:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    ray.init(address=address, logging_level=logging.WARNING)
 
 
 def join_ray_cluster(address: str) -> None:

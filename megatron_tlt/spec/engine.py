@@ -313,10 +313,12 @@ class RolloutEngine:
                 raise EngineError(f"prompt of {len(prompt)} tokens does not fit max_model_len {self.config.max_model_len}")
         spec_before = self.spec_decode_counters()
         started = time.perf_counter()
-        # LLM.generate is enqueue + wait_for_completion; apart, they name each prompt's request for on_finished
+        # LLM.generate is enqueue + wait_for_completion; apart, they name each prompt's request for on_finished.
+        # enqueue returns vLLM's internal ids, the id LLM gave the request (a number) plus a random suffix;
+        # a RequestOutput carries LLM's id.
         request_ids = self._llm.enqueue([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                         use_tqdm=False)
-        prompt_of = {request_id: i for i, request_id in enumerate(request_ids)}
+        prompt_of = {request_id.split("-", 1)[0]: i for i, request_id in enumerate(request_ids)}
         with self._timed_engine_steps(on_finished, prompt_of) as steps:
             outputs = self._llm.wait_for_completion(RequestOutput, use_tqdm=False)
         seconds = time.perf_counter() - started
