@@ -34,8 +34,9 @@ def start_local_ray(num_cpus: int) -> str:
     import ray
 
     _quiet_auth_notice()
-    # The raylet gives its Python agents 15 s to start and then aborts; they took 20 s on this 2-core
-    # machine under load. Ray's own setting, for the raylet this start spawns (a user's value wins).
+    # The raylet gives its Python agents 15 s to write their first port file and then aborts; they took
+    # 20 s on this 2-core machine under load. Ray's own setting, for the raylet this start spawns (a user's
+    # value wins); Ray's other start-up limits stay as they are (bench/RESULTS.md, issue 19).
     added = "RAY_agent_register_timeout_ms" not in os.environ
     if added:
         os.environ["RAY_agent_register_timeout_ms"] = str(AGENT_START_TIMEOUT_MS)
