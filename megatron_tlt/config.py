@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import importlib.util
 import inspect
+import math
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,21 @@ class DataConfig:
     """JSONL or parquet prompt file; None uses the built-in synthetic long-tail task."""
     reward: str = "exact_match"
     """Reward function: a registered name or "package.module:function"."""
+    reward_workers: int = 0
+    """Ray actors that score each engine's responses (``rl/reward_pool.py``), as each prompt's samples finish
+    while the rollout's tail still generates; 0 scores inline, in the rank's own process after the rollout
+    (best for cheap rewards such as exact_match). For slow or unsafe rewards: math-verify at scale, code
+    execution, model judges."""
+    reward_timeout_s: float = 30.0
+    """With reward_workers: the most seconds one response's scoring may take; its worker is then replaced."""
+    reward_failure_value: float = 0.0
+    """With reward_workers: the reward of a response whose scoring timed out, crashed its worker (replaced)
+    or raised; each is logged with its reason and counted (``reward/timeouts``, ``reward/worker_crashes``,
+    ``reward/errors`` in summary.json). Inline, a reward that raises stops the run."""
+    ray_address: str | None = None
+    """With reward_workers: an existing Ray cluster to join ("auto", "HOST:PORT"; authentication as Ray's
+    environment sets it). None: the first rank of each node starts a private Ray instance, which that node's
+    other ranks join, and stops it at the end of the run: no set-up on one machine or on a cluster."""
     max_prompt_tokens: int = 128
     """Longer prompts are counted as malformed and skipped."""
     synthetic_prompts: int = 4096
@@ -154,6 +170,12 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _require_at_least_one("data", max_solution_steps=self.max_solution_steps)
+        if self.reward_workers < 0:
+            raise ConfigError(f"data.reward_workers must be >= 0 (0: score inline), got {self.reward_workers}")
+        if not self.reward_timeout_s > 0.0:  # written so that NaN fails too
+            raise ConfigError(f"data.reward_timeout_s must be > 0 seconds, got {self.reward_timeout_s}")
+        if not math.isfinite(self.reward_failure_value):
+            raise ConfigError(f"data.reward_failure_value must be a finite number, got {self.reward_failure_value}")
         if self.solution_style not in SOLUTION_STYLES:
             raise ConfigError(f"data.solution_style must be one of {', '.join(SOLUTION_STYLES)}, got "
                               f"'{self.solution_style}'")

@@ -4,8 +4,8 @@ Each rank sends a ``RankStepReport`` to rank 0 at the end of the step; ``step_re
 rewards and lengths over the samples each engine's leader reports (none counts twice), phase times as
 the slowest rank's, the rollout's idle shares per rank, the engines' speculation figures, the acceptance
 alarm (``spec/acceptance_alarms`` counts the engines whose rollout, or greedy probe after the sync, found
-acceptance collapsed; ``spec/probe_acceptance_rate`` where probes ran) and the drafter's
-(``drafter/tlt_drafter.summary_fields``).
+acceptance collapsed; ``spec/probe_acceptance_rate`` where probes ran), the drafter's
+(``drafter/tlt_drafter.summary_fields``) and, with a reward pool, its failures and overlap (``reward/*``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,20 @@ import dataclasses
 import statistics
 
 from megatron_tlt.drafter.tlt_drafter import TailReport, summary_fields
+from megatron_tlt.rl.reward_pool import FAILURE_KINDS
 from megatron_tlt.spec.metrics import SpecDecodeStats
 from megatron_tlt.timeline import BUSY, PHASES, TRAINING, RankTimeline, rollout_idle_seconds, rollout_idle_shares
+
+
+@dataclasses.dataclass
+class RewardPoolReport:
+    """What a rank's reward pool did with its rollout (``rl/reward_pool.py``)."""
+
+    scored: int
+    scored_in_rollout: int
+    """Responses whose reward was ready when the reward phase began: scored while the rollout still ran."""
+    failures: dict[str, int]
+    """Responses given the failure value, by reason (``reward_pool.FAILURE_KINDS``)."""
 
 
 @dataclasses.dataclass
@@ -40,6 +52,8 @@ class RankStepReport:
     """The acceptance probe after the step's sync and drafter push, from the engine's leader only."""
     alarm: bool = False
     """Whether the step's rollout or that probe raised the collapse alarm (leader only)."""
+    reward_pool: RewardPoolReport | None = None
+    """With data.reward_workers, from the ranks that scored on a pool."""
 
 
 def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb_s: float,
@@ -76,6 +90,7 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
     record.update({f"update/{k}": v for k, v in update.items()})
     record.update(_speculation_fields(per_rank))
     record.update(_alarm_fields(per_rank))
+    record.update(_reward_pool_fields(per_rank))
     record.update(summary_fields([p.tail for p in per_rank], timelines))
     return record
 
@@ -107,4 +122,16 @@ def _alarm_fields(per_rank: list[RankStepReport]) -> dict:
     if probes:
         drafted = sum(s.num_draft_tokens for s in probes)
         record["spec/probe_acceptance_rate"] = sum(s.num_accepted_tokens for s in probes) / max(1, drafted)
+    return record
+
+
+def _reward_pool_fields(per_rank: list[RankStepReport]) -> dict:
+    """With a reward pool: responses given the failure value per reason (``reward/timeouts``,
+    ``reward/worker_crashes``, ``reward/errors``) and the share scored while the rollout still ran."""
+    pools = [p.reward_pool for p in per_rank if p.reward_pool is not None]
+    if not pools:
+        return {}
+    record = {field: sum(p.failures.get(kind, 0) for p in pools) for kind, field in FAILURE_KINDS.items()}
+    scored = sum(p.scored for p in pools)
+    record["reward/scored_in_rollout_share"] = sum(p.scored_in_rollout for p in pools) / scored if scored else 0.0
     return record

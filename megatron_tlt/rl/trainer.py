@@ -5,8 +5,10 @@ Ranks and their work:
     model-parallel group share them out for rollout, then exchange the results. An engine spans the
     ranks of (a divisor of) the policy's tensor-parallel group (``rl/engine_placement.py``), so with
     PP > 1 each pipeline stage's TP group runs an engine of the whole policy;
-  * rewards are scored where a response was generated; advantages are group-relative over the n
-    samples of a prompt (a group never spans DP ranks);
+  * rewards are scored where a response was generated: inline after the rollout, or with
+    ``data.reward_workers`` on a Ray actor pool that scores each prompt's responses as the engine finishes
+    them, while the rollout's tail still generates (``rl/reward_pool.py``); advantages are group-relative
+    over the n samples of a prompt (a group never spans DP ranks);
   * the log-prob pass and the update run through Megatron's schedules on the model-parallel group,
     gradients are all-reduced over DP, and the token mean covers the global batch (``rl/update.py``);
   * the sync streams the new weights into every engine (``rl/rank_session.py``).
@@ -38,9 +40,10 @@ from megatron_tlt.rl.actor import compute_logprobs, features_on_every_stage
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.data import PromptExample
 from megatron_tlt.rl.rank_session import RankSession
+from megatron_tlt.rl.reward_pool import RankRewardPool, StreamedScores
 from megatron_tlt.rl.rewards import get_reward_fn
 from megatron_tlt.rl.sampler import PromptSampler
-from megatron_tlt.rl.step_record import RankStepReport, step_record
+from megatron_tlt.rl.step_record import RankStepReport, RewardPoolReport, step_record
 from megatron_tlt.rl.update import PolicySequence, policy_update_step
 from megatron_tlt.rl.weight_sync import SyncStats
 from megatron_tlt.timeline import BUSY, IDLE, RankTimeline
@@ -94,6 +97,9 @@ class RLTrainer:
         self.model, self.arch, self.tokenizer = self.session.model, self.session.arch, self.session.tokenizer
         self.dataset, self.held_out = self.session.task.dataset, self.session.task.held_out
         self.placement = self.session.placement
+        self.reward_pool = None  # before the engine starts: Ray's processes are not pinned to this rank's core
+        if config.data.reward_workers:
+            self.reward_pool = RankRewardPool(config.data, hosts_pool=self.placement.is_leader)
         self._build_optimizer(resume_state=ckpt is not None)
         self.reference = None
         if config.algorithm.kl_coef != 0.0:  # frozen copy of the starting policy
@@ -164,44 +170,67 @@ class RLTrainer:
             group["max_lr"], group["min_lr"] = opt.lr, opt.min_lr
             group["lr"] = self.lr_schedule.get_lr(group)
 
+    def _decode(self, response: list[int]) -> str:
+        return self.tokenizer.decode(response, skip_special_tokens=True)
+
+    def _stream_scores(self, examples: list[PromptExample], label: str) -> StreamedScores | None:
+        """With the reward pool, on an engine's leader: what hands each prompt's responses to it as the engine
+        finishes them."""
+        if self.reward_pool is None:
+            return None
+        return self.reward_pool.stream(self._decode, [e.ground_truth for e in examples], label=label)
+
     def _score(self, examples: list[PromptExample], token_ids: list[list[list[int]]],
-               finish_reasons: list[list[str]], first_prompt_index: int, stride: int) -> list[Sample]:
+               finish_reasons: list[list[str]], first_prompt_index: int, stride: int,
+               streamed: StreamedScores | None = None) -> list[Sample]:
+        """The samples with their rewards: from ``streamed`` (the pool) or scored here; none on an engine's
+        non-leading ranks when a pool scores (their leader's pool has them)."""
+        if self.config.data.reward_workers and streamed is None:
+            return []
+        pooled = streamed.scores() if streamed is not None else None
         samples = []
         for k, (example, responses, reasons) in enumerate(zip(examples, token_ids, finish_reasons)):
             for j, (response, reason) in enumerate(zip(responses, reasons)):
-                text = self.tokenizer.decode(response, skip_special_tokens=True)
+                if pooled is not None:
+                    reward = pooled[k][j].reward
+                else:
+                    reward = float(self.reward_fn(self._decode(response), example.ground_truth))
                 samples.append(Sample(prompt_index=first_prompt_index + k * stride, sample_index=j,
                                       prompt_ids=example.prompt_ids, response_ids=list(response),
-                                      finish_reason=reason, reward=float(self.reward_fn(text, example.ground_truth))))
+                                      finish_reason=reason, reward=reward))
         return samples
 
     # ------------------------------------------------------------------ one step
 
     def _rollout(self, step: int, examples: list[PromptExample], timeline: RankTimeline, train_drafter: bool):
         """This engine's share of the prompts answered; returns (its prompts, the engine's result, what the
-        drafter did in the tail or None)."""
+        drafter did in the tail or None, the reward pool's scoring of it or None)."""
         mine = self.placement.replica_share(examples)  # this engine's share of its DP rank's prompts
+        streamed = self._stream_scores(mine, f"step {step + 1} prompt") if mine else None
         start = time.time()
         result = self.engine.generate(  # the ranks of one engine sample with one seed: the same responses
             [e.prompt_ids for e in mine],
             self.session.sampling(n=self.config.rollout.samples_per_prompt, temperature=self.config.rollout.temperature,
                                   seed=_rollout_seed(self.config.trainer.seed, step, self.placement.leader_rank)),
+            on_finished=streamed.on_finished if streamed is not None else None,
         ) if mine else None
         done = time.time()
         timeline.add("rollout", BUSY, start, done)
         if train_drafter:  # idle until the slowest rank is done: train the drafter meanwhile
-            return mine, result, self.drafter.wait_for_rollout_end(timeline)
+            return mine, result, self.drafter.wait_for_rollout_end(timeline), streamed
         dist.barrier()  # the phase ends when the slowest rank is done; until then this rank idles
         timeline.add("rollout", IDLE, done, time.time())
-        return mine, result, None
+        return mine, result, None, streamed
 
-    def _score_and_share(self, mine, result, timeline: RankTimeline) -> tuple[list[Sample], list[Sample]]:
-        """Score this engine's responses; return (the samples this rank reports, all samples of this DP
-        rank in group order). Only an engine's leader reports its samples, so none counts twice."""
+    def _score_and_share(self, mine, result, timeline: RankTimeline,
+                         streamed: StreamedScores | None) -> tuple[list[Sample], list[Sample]]:
+        """Score this engine's responses (or collect the pool's scores); return (the samples this rank reports,
+        all samples of this DP rank in group order). Only an engine's leader reports its samples, so none
+        counts twice."""
         p = self.placement
         with timeline.phase("reward"):
             own = self._score(mine, result.token_ids, result.finish_reasons, p.index_in_replica,
-                              p.engines_per_replica) if mine else []
+                              p.engines_per_replica, streamed) if mine else []
             if self.mp_size > 1:
                 gathered: list[list[Sample]] = [None] * self.mp_size
                 dist.all_gather_object(gathered, own, group=self.mp_group)
@@ -282,10 +311,10 @@ class RLTrainer:
         step_start = time.time()
         examples = self.dataset.gather(next(self.sampler))
         train_drafter = self.drafter is not None and self.drafter.trains_in(step + 1)
-        mine, result, tail = self._rollout(step, examples, timeline, train_drafter)
+        mine, result, tail, streamed = self._rollout(step, examples, timeline, train_drafter)
         # The acceptance alarm after the last sync and drafter push, read from this rollout's own drafts: free.
         alarm = result is not None and self.engine.check_acceptance(result.spec, "the rollout after the policy sync")
-        own, samples = self._score_and_share(mine, result, timeline)
+        own, samples = self._score_and_share(mine, result, timeline, streamed)
         advantages, dropped_groups = self._advantages(samples)
         sequences = [list(s.prompt_ids) + s.response_ids for s in samples]
         # Colocated: the engine's KV cache and weights leave the GPU while Megatron trains, as tlt plan counts it.
@@ -294,7 +323,7 @@ class RLTrainer:
         update_metrics = self._update(samples, sequences, advantages, old, ref, timeline)
         self.engine.resume_memory()
         synced = self._sync(timeline)
-        report = self._report(own, result, timeline, dropped_groups, tail, feature_rows, synced, alarm)
+        report = self._report(own, result, timeline, dropped_groups, tail, feature_rows, synced, alarm, streamed)
         gathered = [None] * self.world if self.is_reporter else None
         dist.gather_object(report, gathered, dst=0)
         if not self.is_reporter:
@@ -303,8 +332,13 @@ class RLTrainer:
         return record, [span for r in gathered for span in r.timeline.to_records(step + 1)]
 
     def _report(self, own: list[Sample], result, timeline: RankTimeline, dropped_groups: int,
-                tail: TailReport | None, feature_rows: int, synced: SyncStats, rollout_alarm: bool) -> RankStepReport:
+                tail: TailReport | None, feature_rows: int, synced: SyncStats, rollout_alarm: bool,
+                streamed: StreamedScores | None) -> RankStepReport:
         leader = self.placement.is_leader  # an engine's figures, once: from its leader
+        pool = None
+        if streamed is not None:
+            pool = RewardPoolReport(scored=len(own), scored_in_rollout=streamed.scored_before_wait,
+                                    failures=dict(streamed.failures))
         return RankStepReport(
             timeline=timeline, rewards=[s.reward for s in own], correct=[s.correct for s in own],
             lengths=[len(s.response_ids) for s in own], truncated=[s.finish_reason == "length" for s in own],
@@ -314,7 +348,7 @@ class RLTrainer:
             bandit=self.engine.bandit_summary() if leader else None, tail=tail,
             probe=synced.probe if leader else None, alarm=(rollout_alarm or synced.alarm) and leader,
             # counted once per replica: the last stage's TP ranks hold the same features
-            hidden_tokens=feature_rows if mcore.stage_info().tp_rank == 0 else 0)
+            hidden_tokens=feature_rows if mcore.stage_info().tp_rank == 0 else 0, reward_pool=pool)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -326,12 +360,18 @@ class RLTrainer:
         counts = torch.zeros(3, dtype=torch.float64)  # on the CPU on purpose: reduced over gloo
         if mine:
             prompts = [e.prompt_ids for e in mine]
-            greedy = self.engine.generate(prompts, self.session.sampling(n=1, temperature=0.0, seed=None))
+            greedy_scores = self._stream_scores(mine, "held-out greedy prompt")
+            greedy = self.engine.generate(prompts, self.session.sampling(n=1, temperature=0.0, seed=None),
+                                          on_finished=greedy_scores.on_finished if greedy_scores else None)
+            sampled_scores = self._stream_scores(mine, "held-out sampled prompt")
             sampled = self.engine.generate(prompts, self.session.sampling(
                 n=EVAL_SAMPLES_PER_PROMPT, temperature=self.config.rollout.temperature,
-                seed=_rollout_seed(self.config.trainer.seed, _EVAL_SEED_STEP, self.placement.leader_rank)))
-            counts[0] = sum(s.correct for s in self._score(mine, greedy.token_ids, greedy.finish_reasons, 0, 1))
-            counts[1] = sum(s.correct for s in self._score(mine, sampled.token_ids, sampled.finish_reasons, 0, 1))
+                seed=_rollout_seed(self.config.trainer.seed, _EVAL_SEED_STEP, self.placement.leader_rank)),
+                on_finished=sampled_scores.on_finished if sampled_scores else None)
+            counts[0] = sum(s.correct for s in self._score(mine, greedy.token_ids, greedy.finish_reasons, 0, 1,
+                                                           greedy_scores))
+            counts[1] = sum(s.correct for s in self._score(mine, sampled.token_ids, sampled.finish_reasons, 0, 1,
+                                                           sampled_scores))
             counts[2] = len(mine)
         if not self.placement.is_leader:  # the engine's other ranks saw the same answers
             counts.zero_()
@@ -370,6 +410,8 @@ class RLTrainer:
                 self.reporter.log_step(*outcome)
             if self._due(t.save_every, done):
                 self._save(done)
+        if self.reward_pool is not None:
+            self.reward_pool.close(collective=True)
         if self.reporter is not None:
             self.reporter.close()
             return self.reporter.records
@@ -381,6 +423,8 @@ class RLTrainer:
             atomic_files.write_text_atomic(self.run_dir / run_files.EVAL_BEFORE_RL_FILE, json.dumps(metrics, indent=1))
 
     def close(self) -> None:
+        if self.reward_pool is not None:
+            self.reward_pool.close(collective=False)  # after an error; a finished run closed it collectively
         if self.drafter is not None:
             self.drafter.close()  # the last drafter checkpoint reaches the disk
         self.session.close()

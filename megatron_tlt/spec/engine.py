@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -285,9 +285,14 @@ class RolloutEngine:
         if drafter is not None:
             self.load_drafter(drafter)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> RolloutResult:
-        """Sample ``sampling.n`` responses for each prompt (token ids in, token ids out)."""
-        from vllm import SamplingParams
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
+                 on_finished: Callable[[int, list[list[int]]], None] | None = None) -> RolloutResult:
+        """Sample ``sampling.n`` responses for each prompt (token ids in, token ids out).
+
+        ``on_finished(i, responses)`` is called between engine steps as soon as prompt ``i``'s n responses are
+        all done, while the others still generate (a reward pool scores them meanwhile); it must not block.
+        """
+        from vllm import RequestOutput, SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = [
@@ -308,9 +313,14 @@ class RolloutEngine:
                 raise EngineError(f"prompt of {len(prompt)} tokens does not fit max_model_len {self.config.max_model_len}")
         spec_before = self.spec_decode_counters()
         started = time.perf_counter()
-        with self._timed_engine_steps() as steps:
-            outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                         use_tqdm=False)
+        # LLM.generate is enqueue + wait_for_completion; apart, they name each prompt's request for on_finished.
+        # enqueue returns vLLM's internal ids, the id LLM gave the request (a number) plus a random suffix;
+        # a RequestOutput carries LLM's id.
+        request_ids = self._llm.enqueue([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                        use_tqdm=False)
+        prompt_of = {request_id.split("-", 1)[0]: i for i, request_id in enumerate(request_ids)}
+        with self._timed_engine_steps(on_finished, prompt_of) as steps:
+            outputs = self._llm.wait_for_completion(RequestOutput, use_tqdm=False)
         seconds = time.perf_counter() - started
         scheduler = self.adaptive_scheduler()
         return RolloutResult(
@@ -324,11 +334,12 @@ class RolloutEngine:
         )
 
     @contextlib.contextmanager
-    def _timed_engine_steps(self):
-        """Record (sequences in flight, seconds) for every engine step of one ``generate`` call.
+    def _timed_engine_steps(self, on_finished=None, prompt_of: dict[str, int] | None = None):
+        """Record (sequences in flight, seconds) for every engine step of one ``generate`` call, and hand
+        each finished request's responses to ``on_finished`` (its prompt's index from ``prompt_of``).
 
-        ``LLM.generate`` drives ``llm_engine.step()`` in this process; wrapping it on the instance
-        observes each step without touching vLLM's scheduler.
+        ``LLM.wait_for_completion`` drives ``llm_engine.step()`` in this process; wrapping it on the instance
+        observes each step, and the requests it finished, without touching vLLM's scheduler.
         """
         engine = self._llm.llm_engine
         original_step = engine.step
@@ -339,6 +350,10 @@ class RolloutEngine:
             started = time.perf_counter()
             outputs = original_step()
             steps.append((in_flight, time.perf_counter() - started))
+            if on_finished is not None:
+                for output in outputs:
+                    if output.finished and output.request_id in prompt_of:
+                        on_finished(prompt_of[output.request_id], [list(c.token_ids) for c in output.outputs])
             return outputs
 
         engine.step = timed_step

@@ -4,8 +4,9 @@ A small variant of the tiny default keeps each run to well under a minute: a 30-
 (cached for the module), 4 prompts x 4 samples per step, and a length reward given by import path
 so every step changes the policy. Starting a run costs more than its steps, so each run (a module
 fixture) feeds every test that can read it: a killed and resumed plain run, the same run with the spot
-trainer and an injected drafter fault, TLT as a whole (speculation with BEG-MAB and the spot trainer),
-TP=2 with a lost drafter, PP=2, and one rank on an HF policy with every loss option.
+trainer and an injected drafter fault, the same steps with rewards on a Ray pool, TLT as a whole
+(speculation with BEG-MAB and the spot trainer), TP=2 with a lost drafter, PP=2, and one rank on an HF
+policy with every loss option.
 """
 
 import json
@@ -220,6 +221,20 @@ def test_a_failure_inside_drafter_training_is_logged_and_the_rl_run_completes_un
     records = _summary(run_dir)
     assert [r["drafter/failed"] for r in records] == [False, False, False, True]
     _assert_same_policy_results(records[3:], _summary(killed_run)[3:])  # the step it failed in
+
+
+def test_rewards_scored_on_a_ray_pool_beside_the_rollout_match_inline_scoring(env, killed_run, tmp_path):
+    """data.reward_workers=2: each rank starts or joins the machine's Ray instance and scores on a pool of two
+    workers as the engine finishes each prompt. The user reward resolves in the workers (by import path, from
+    the PYTHONPATH the run had), and the steps match the inline run's (the killed run, before its kill)."""
+    run_dir = tmp_path / "reward-pool"
+    _train(env, *SMALL, "trainer.steps=2", "data.reward_workers=2", f"trainer.run_dir={run_dir}")
+    records = _summary(run_dir)
+    _assert_same_policy_results(records, _summary(killed_run)[:2])
+    for record in records:
+        assert (record["reward/timeouts"], record["reward/worker_crashes"], record["reward/errors"]) == (0, 0, 0)
+        assert 0.0 <= record["reward/scored_in_rollout_share"] <= 1.0
+    assert "reward/timeouts" not in _summary(killed_run)[0]  # inline: no pool fields
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from megatron_tlt.config import (AlgorithmConfig, ConfigError, DrafterConfig, ParallelConfig, RolloutConfig,
+from megatron_tlt.config import (AlgorithmConfig, ConfigError, DataConfig, DrafterConfig, ParallelConfig, RolloutConfig,
                                  SpeculationConfig, TLTConfig, TrainerConfig, load_config, to_yaml, valid_keys,
                                  world_size)
 
@@ -120,6 +120,9 @@ def test_other_arms_are_a_replace_of_the_section_and_are_checked_again():
     (lambda: DrafterConfig(precision="fp4"), "drafter.precision must be auto, fp32, bf16, fp8, got 'fp4'"),
     (lambda: SpeculationConfig(window=10, median_blocks=11),
      r"speculation.median_blocks must be in \[1, window=10\], got 11"),
+    (lambda: DataConfig(reward_workers=-1), r"data.reward_workers must be >= 0 \(0: score inline\), got -1"),
+    (lambda: DataConfig(reward_timeout_s=0.0), "data.reward_timeout_s must be > 0 seconds, got 0.0"),
+    (lambda: DataConfig(reward_failure_value=float("nan")), "data.reward_failure_value must be a finite number"),
 ])
 def test_each_section_checks_its_own_values_when_it_is_built(build, message):
     """A section made in code (a test, a benchmark, dataclasses.replace) is checked like a loaded one."""

@@ -1,6 +1,9 @@
-"""The step's summary record from the ranks' reports: response lengths and the acceptance probe's fields."""
+"""The step's summary record from the ranks' reports: response lengths, the acceptance probe's fields and the
+reward pool's."""
 
-from megatron_tlt.rl.step_record import RankStepReport, step_record
+import dataclasses
+
+from megatron_tlt.rl.step_record import RankStepReport, RewardPoolReport, step_record
 from megatron_tlt.spec.metrics import SpecDecodeStats
 from megatron_tlt.timeline import BUSY, RankTimeline
 
@@ -45,3 +48,14 @@ def test_a_rollout_whose_drafts_were_rejected_counts_an_alarm_without_any_probe(
 def test_response_lengths_pool_every_ranks_samples():
     record = _record(_report(0), _report(1))  # lengths 3 and 5 on each rank
     assert (record["response_length_median"], record["response_length_mean"], record["response_length_max"]) == (4, 4, 5)
+
+
+def test_the_reward_pools_failures_are_counted_per_reason_and_its_overlap_pooled_over_ranks():
+    record = _record(
+        dataclasses.replace(_report(0), reward_pool=RewardPoolReport(scored=2, scored_in_rollout=2,
+                                                                     failures={"timeout": 1})),
+        dataclasses.replace(_report(1), reward_pool=RewardPoolReport(scored=2, scored_in_rollout=0,
+                                                                     failures={"worker_crash": 1, "timeout": 1})))
+    assert (record["reward/timeouts"], record["reward/worker_crashes"], record["reward/errors"]) == (2, 1, 0)
+    assert record["reward/scored_in_rollout_share"] == 0.5
+    assert not [key for key in _record(_report(0), _report(1)) if key.startswith("reward/")]  # scored inline
