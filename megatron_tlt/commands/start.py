@@ -135,6 +135,8 @@ def _bench_rollout_on_rank(config, policy_dir, drafter_dir: str, settings):
 # trainer has kept up with the policy (on the 4-layer default its top-1 agreement reached 0.84 in 40 RL steps).
 BENCH_DRAFTER_PROMPTS, BENCH_DRAFTER_EPOCHS = 4096, 4
 COLD_START_DRAFTER_FIELDS = ("lr", "pack_tokens", "hidden_weight", "ce_weight", "precision", "init_dir")
+# How the RL run scores rewards (inline or on a Ray pool) does not reach the cold start, which scores nothing.
+REWARD_SCORING_DATA_FIELDS = ("reward_workers", "reward_timeout_s", "reward_failure_value", "ray_address")
 
 
 COLD_START = ColdStartSettings(prompts=BENCH_DRAFTER_PROMPTS, epochs=BENCH_DRAFTER_EPOCHS)
@@ -148,8 +150,9 @@ def cold_start_dir(config) -> Path:
     # the TLT-on and TLT-off arms of a benchmark share one drafter.
     drafter = {name: getattr(config.drafter, name) for name in COLD_START_DRAFTER_FIELDS}
     sampling = dict(temperature=config.rollout.temperature, max_response_tokens=config.rollout.max_response_tokens)
+    data = {k: v for k, v in dataclasses.asdict(config.data).items() if k not in REWARD_SCORING_DATA_FIELDS}
     key = tiny_default.cache_key(warmup=tiny_default.warmup_recipe(config), model=dataclasses.asdict(config.model),
-                                 data=dataclasses.asdict(config.data), parallel=dataclasses.asdict(config.parallel),
+                                 data=data, parallel=dataclasses.asdict(config.parallel),
                                  seed=config.trainer.seed, sampling=sampling, drafter=drafter,
                                  cold_start=dataclasses.asdict(COLD_START))
     return tiny_default.cache_root(config.warmup.cache_dir) / f"drafter-{key}"

@@ -15,6 +15,9 @@ def test_tlt_on_and_off_share_the_cold_start_drafter(tmp_path):
     off = _entry(tmp_path)
     on = _entry(tmp_path, "drafter.speculative_tokens=4", "drafter.spot_training=true", "drafter.cold_start=true",
                 "speculation.adaptive=true", "drafter.probe_prompts=2")
+    # nor does how rewards are scored: the cold start scores nothing
+    pooled = _entry(tmp_path, "data.reward_workers=2", "data.reward_timeout_s=5", "data.ray_address=auto")
+    assert pooled == off
     assert off == on and off.startswith(str(tmp_path / "drafter-"))
     # not shipped, not made: under torchrun it must exist beforehand
     with pytest.raises(FileNotFoundError, match="drafter.cold_start: no cold-start drafter cached at") as err:
