@@ -22,13 +22,11 @@ from megatron_tlt.lm_training import token_width
 
 
 @dataclasses.dataclass
-class LogProbResult:
-    """Outputs of the log-prob pass. Log-probs and features exist on the last pipeline stage only, on the
+class CapturedFeatures:
+    """The drafter features a pass over rollouts kept. They exist on the last pipeline stage only, on the
     model's device (the drafter trains there); which sequences have features is known on every stage (it
     follows from their lengths)."""
 
-    token_logprobs: list[torch.Tensor]
-    """For sequence i, log p(token t+1 | tokens <= t) for t = 0 .. len-2: shape [len_i - 1]."""
     feature_indices: list[int] = dataclasses.field(default_factory=list)
     """The sequences whose drafter features were kept: the newest that fit ``max_feature_rows``."""
     feature_rows: list[int] = dataclasses.field(default_factory=list)
@@ -44,6 +42,14 @@ class LogProbResult:
         return None if self.features is None else list(torch.split(self.features, self.feature_rows))
 
 
+@dataclasses.dataclass
+class LogProbResult(CapturedFeatures):
+    """Outputs of the log-prob pass: its features, and the log-probs (last pipeline stage only)."""
+
+    token_logprobs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """For sequence i, log p(token t+1 | tokens <= t) for t = 0 .. len-2: shape [len_i - 1]."""
+
+
 def pad_sequences(sequences: Sequence[Sequence[int]], pad_id: int, *, device: torch.device,
                   input_multiple: int = 1) -> torch.Tensor:
     """[b, width] token ids, right-padded with ``pad_id`` to ``token_width`` of the longest (``input_multiple``:
@@ -53,31 +59,60 @@ def pad_sequences(sequences: Sequence[Sequence[int]], pad_id: int, *, device: to
     return to_device(tokens_bs, device)
 
 
-class _FinalNormCapture:
-    """Forward hook on ``decoder.final_layernorm`` that copies the kept sequences' rows of its output
-    ([s, b, h], sequence-first; one call per micro-batch, in order) into one preallocated tensor.
+class FeatureCapture:
+    """Keeps the drafter features of a Megatron pass over ``sequences`` run in micro-batches ``batches``
+    (lists of sequence indices, in the order the schedule runs them): a forward hook on
+    ``decoder.final_layernorm`` copies the kept sequences' rows of its output ([s, b, h], sequence-first;
+    one call per micro-batch) into one preallocated tensor, detached (the update's forward records a graph).
 
-    Only what the drafter buffer would keep is ever held: a step's rollouts are far larger than the
-    buffer at scale (70B: 256 sequences per replica, ~12 GiB in bf16 at a 3k-token average, 36 GiB at 9k).
-    With sequence parallelism the norm's output is this TP rank's slice of the sequence: the slices are
-    gathered first (every TP rank of the last stage runs the hook on the same micro-batches, in lockstep).
+    Only what the drafter buffer would keep is ever held (``max_feature_rows``; None: all): a step's rollouts
+    are far larger than the buffer at scale (70B: 256 sequences per replica, ~12 GiB in bf16 at a 3k-token
+    average, 36 GiB at 9k). With sequence parallelism the norm's output is this TP rank's slice of the
+    sequence: the slices are gathered first (every TP rank of the last stage runs the hook on the same
+    micro-batches, in lockstep). Use as a context manager around the pass; ``result()`` after it.
     """
 
-    def __init__(self, model: torch.nn.Module, rows_by_batch: list[list[tuple[int, int, int]]], out: torch.Tensor):
-        self.model, self.rows_by_batch, self.out, self.batch = model, rows_by_batch, out, 0
-        self._handle = mcore.unwrap(model).decoder.final_layernorm.register_forward_hook(self._keep)
+    def __init__(self, model: torch.nn.Module, sequences: Sequence[Sequence[int]], batches: list[list[int]],
+                 max_feature_rows: int | None, *, enabled: bool = True):
+        self.model = model
+        self.kept: list[int] = []
+        if enabled:
+            self.kept = list(range(len(sequences))) if max_feature_rows is None else newest_that_fit(sequences,
+                                                                                                   max_feature_rows)
+        self.rows = [len(sequences[i]) - 1 for i in self.kept]
+        place = {i: (b, j) for b, batch in enumerate(batches) for j, i in enumerate(batch)}
+        self.rows_by_batch: list[list[tuple[int, int, int]]] = [[] for _ in batches]
+        offset = 0
+        for i, n in zip(self.kept, self.rows):
+            b, j = place[i]
+            self.rows_by_batch[b].append((j, offset, n))
+            offset += n
+        self.out, self.batch, self._handle = None, 0, None
+        if self.kept and mcore.stage_info().is_last_stage:
+            self.out = _feature_buffer(model, offset)
+
+    def __enter__(self) -> FeatureCapture:
+        if self.out is not None:
+            self._handle = mcore.unwrap(self.model).decoder.final_layernorm.register_forward_hook(self._keep)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
 
     def _keep(self, module, inputs, output_sbh):
         kept = self.rows_by_batch[self.batch]
         self.batch += 1
         if not kept:  # the same on every TP rank: all skip the gather together
             return
-        full_sbh = mcore.full_sequence(output_sbh, self.model)
+        full_sbh = mcore.full_sequence(output_sbh.detach(), self.model)
         for j, offset, rows in kept:
             self.out[offset:offset + rows].copy_(full_sbh[:rows, j])
 
-    def remove(self) -> None:
-        self._handle.remove()
+    def result(self) -> CapturedFeatures:
+        if self._handle is not None and self.batch != len(self.rows_by_batch):  # rows would be misplaced
+            raise RuntimeError(f"the final norm ran {self.batch} times for {len(self.rows_by_batch)} micro-batches")
+        return CapturedFeatures(feature_indices=self.kept, feature_rows=self.rows, features=self.out)
 
 
 def _feature_buffer(model: torch.nn.Module, rows: int) -> torch.Tensor:
@@ -99,24 +134,12 @@ def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
     model.eval()
     # Length-sorted micro-batches pad little: a GRPO batch mixes short answers with the long tail.
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    slot = {i: position for position, i in enumerate(order)}  # sequence index -> place in sorted order
-    batches = [[sequences[i] for i in order[p : p + micro_batch_size]] for p in range(0, len(order), micro_batch_size)]
+    index_batches = [order[p : p + micro_batch_size] for p in range(0, len(order), micro_batch_size)]
+    batches = [[sequences[i] for i in batch] for batch in index_batches]
     device = module_device(model)
     input_multiple = mcore.sequence_multiple(model)
     padded = [pad_sequences(batch, pad_id, device=device, input_multiple=input_multiple) for batch in batches]
-    stage = mcore.stage_info()
-    kept: list[int] = []
-    if capture_hidden:
-        kept = list(range(len(sequences))) if max_feature_rows is None else newest_that_fit(sequences, max_feature_rows)
-    rows = [len(sequences[i]) - 1 for i in kept]
-    capture = None
-    if kept and stage.is_last_stage:
-        rows_by_batch: list[list[tuple[int, int, int]]] = [[] for _ in batches]
-        offset = 0
-        for i, n in zip(kept, rows):
-            rows_by_batch[slot[i] // micro_batch_size].append((slot[i] % micro_batch_size, offset, n))
-            offset += n
-        capture = _FinalNormCapture(model, rows_by_batch, _feature_buffer(model, offset))
+    capture = FeatureCapture(model, sequences, index_batches, max_feature_rows, enabled=capture_hidden)
     per_batch: list[torch.Tensor] = []
 
     def forward_step(data_iterator, stage_model):
@@ -130,21 +153,19 @@ def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
 
         return output, loss_fn
 
-    try:
+    with capture:
         # Micro-batches differ in length: run them one schedule call each (shapes are static per call).
         for tokens in padded:
             b, s = tokens.shape
             mcore.run_schedule(model, forward_step, [tokens], seq_length=s - 1, micro_batch_size=b, forward_only=True)
-    finally:
-        if capture is not None:
-            capture.remove()
-    if not stage.is_last_stage:
-        return LogProbResult(token_logprobs=[], feature_indices=kept, feature_rows=rows)
+    features = capture.result()
+    kept = dict(feature_indices=features.feature_indices, feature_rows=features.feature_rows, features=features.features)
+    if not mcore.stage_info().is_last_stage:
+        return LogProbResult(**kept)
+    position = {i: p for p, i in enumerate(order)}  # sequence index -> place in sorted order
     sorted_logprobs = [row[: len(seq) - 1] for batch_lp, batch in zip(per_batch, batches)
                        for row, seq in zip(batch_lp, batch)]
-    token_logprobs = [sorted_logprobs[slot[i]] for i in range(len(sequences))]
-    return LogProbResult(token_logprobs=token_logprobs, feature_indices=kept, feature_rows=rows,
-                         features=capture.out if capture is not None else None)
+    return LogProbResult(**kept, token_logprobs=[sorted_logprobs[position[i]] for i in range(len(sequences))])
 
 
 def newest_that_fit(sequences: Sequence[Sequence[int]], max_rows: int) -> list[int]:
@@ -163,7 +184,7 @@ def newest_that_fit(sequences: Sequence[Sequence[int]], max_rows: int) -> list[i
 
 
 def features_on_every_stage(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
-                            result: LogProbResult) -> tuple[list[Sequence[int]], list[torch.Tensor]]:
+                            result: CapturedFeatures) -> tuple[list[Sequence[int]], list[torch.Tensor]]:
     """The drafter's features on every pipeline stage, so that idle ranks of every stage can train it.
 
     Only the last stage computes them; it broadcasts its flat feature tensor (already cut to what the

@@ -10,11 +10,13 @@ Ranks and their work:
     them, while the rollout's tail still generates (``rl/reward_pool.py``); advantages are group-relative
     over the n samples of a prompt (a group never spans DP ranks);
   * the log-prob pass and the update run through Megatron's schedules on the model-parallel group,
-    gradients are all-reduced over DP, and the token mean covers the global batch (``rl/update.py``);
+    gradients are all-reduced over DP, and the token mean covers the global batch (``rl/update.py``).
+    With one optimizer step per rollout (``trainer.updates_per_step=1``, the default) there is no
+    log-prob pass: the update's own forward gives the old log-probs and the drafter's features;
   * the sync streams the new weights into every engine (``rl/rank_session.py``).
 Rollout ends at a barrier over all ranks, so each rank's idle time in the long tail is measured
 exactly; every phase is timed per rank (``timeline.py``). TLT's drafter (``drafter/tlt_drafter.py``)
-trains in that idle time, takes the log-prob pass's features and is pushed into the engine at the
+trains in that idle time, takes the features of the policy's forward (update or log-prob pass) and is pushed into the engine at the
 sync; the step's summary record is made from every rank's report (``rl/step_record.py``).
 """
 
@@ -36,7 +38,7 @@ from megatron_tlt.config import TLTConfig
 from megatron_tlt.device import module_device
 from megatron_tlt.drafter.tlt_drafter import TailReport, TLTDrafter
 from megatron_tlt.rl import checkpoint, checkpoint_paths, metric_loggers, policy_source, run_dir as run_files
-from megatron_tlt.rl.actor import compute_logprobs, features_on_every_stage
+from megatron_tlt.rl.actor import CapturedFeatures, compute_logprobs, features_on_every_stage
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.data import PromptExample
 from megatron_tlt.rl.rank_session import RankSession
@@ -252,27 +254,46 @@ class RLTrainer:
             dropped = int(equal.sum())
         return advantages_g.view(-1).tolist(), dropped
 
+    @property
+    def _on_policy_update(self) -> bool:
+        """One optimizer step per rollout: the policy that generated it is the one the update starts from, so the
+        update's own forward gives the old log-probs (detached) and the drafter features, and the step runs no
+        log-prob pass of its own (as VeRL does on-policy). With several mini-batches the policy moves between
+        them: the old log-probs must be taken before the first."""
+        return self.config.trainer.updates_per_step == 1
+
+    def _wants_features(self, train_drafter: bool) -> bool:
+        return self.config.trainer.capture_hidden_states or train_drafter
+
     def _logprob_pass(self, sequences: list[list[int]], timeline: RankTimeline, train_drafter: bool):
-        """Old (and reference) log-probs of the step's sequences, and the drafter feature rows captured
-        (handed to the drafter when it trains this step)."""
+        """Old log-probs (None on-policy) and reference log-probs (None without the KL term) of the step's
+        sequences, and the drafter feature rows captured here (handed to the drafter when it trains this step)."""
         t = self.config.trainer
+        old, ref, feature_rows = None, None, 0
         with timeline.phase("logprob"):
-            # features are cut to what the drafter buffer keeps: a step's rollouts can be far larger
-            result = compute_logprobs(self.model, sequences, vocab_size=self.arch.vocab_size,
-                                      micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
-                                      capture_hidden=t.capture_hidden_states or train_drafter,
-                                      max_feature_rows=self.config.drafter.buffer_tokens)
-            ref = None
+            if not self._on_policy_update:
+                # features are cut to what the drafter buffer keeps: a step's rollouts can be far larger
+                result = compute_logprobs(self.model, sequences, vocab_size=self.arch.vocab_size,
+                                          micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                          capture_hidden=self._wants_features(train_drafter),
+                                          max_feature_rows=self.config.drafter.buffer_tokens)
+                old, feature_rows = result.token_logprobs, self._keep_features(sequences, result, train_drafter)
             if self.reference is not None:
                 ref = compute_logprobs(self.reference, sequences, vocab_size=self.arch.vocab_size,
                                        micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id).token_logprobs
-            feature_rows = sum(result.feature_rows) if result.features is not None else 0
-            if train_drafter:  # every pipeline stage's idle ranks train: the last stage shares its features
-                self.drafter.add_features(*features_on_every_stage(self.model, sequences, result))
-        return result.token_logprobs, ref, feature_rows
+        return old, ref, feature_rows
+
+    def _keep_features(self, sequences: list[list[int]], captured: CapturedFeatures, train_drafter: bool) -> int:
+        """Hand the captured features to the drafter when it trains this step; returns their rows (0 off the last
+        stage)."""
+        if train_drafter:  # every pipeline stage's idle ranks train: the last stage shares its features
+            self.drafter.add_features(*features_on_every_stage(self.model, sequences, captured))
+        return sum(captured.feature_rows) if captured.features is not None else 0
 
     def _update(self, samples: list[Sample], token_ids: list[list[int]], advantages: list[float], old, ref,
-                timeline: RankTimeline) -> dict:
+                timeline: RankTimeline, train_drafter: bool) -> tuple[dict, int]:
+        """The step's optimizer steps; returns their mean metrics and the drafter feature rows the update's forward
+        captured (on-policy only; the log-prob pass captures them otherwise)."""
         t = self.config.trainer
         device = module_device(self.model)  # where the log-prob pass left ``old`` and ``ref``
         sequences = []
@@ -283,9 +304,11 @@ class RLTrainer:
             placeholder = torch.zeros(len(ids) - 1, device=device)
             sequences.append((i, PolicySequence(
                 token_ids=ids, prompt_len=len(sample.prompt_ids),
-                old_logprobs=old[i] if old else placeholder, advantage=advantage,
+                old_logprobs=None if self._on_policy_update else old[i] if old else placeholder, advantage=advantage,
                 ref_logprobs=(ref[i] if ref else placeholder) if self.reference is not None else None)))
+        capture = self._on_policy_update and self._wants_features(train_drafter)
         metrics: dict[str, list[float]] = {}
+        feature_rows = 0
         with timeline.phase("update"):
             for u in range(t.updates_per_step):  # mini-batches interleave short and long sequences
                 mini = [seq for i, seq in sequences if i % t.updates_per_step == u]
@@ -293,12 +316,18 @@ class RLTrainer:
                 # (Megatron's scheduler starts at init_lr 0, which would waste the first step).
                 self.lr_schedule.step(1)
                 metrics.setdefault("lr", []).append(self.optimizer.param_groups[0]["lr"])
-                step_metrics = policy_update_step(self.model, self.optimizer, mini, vocab_size=self.arch.vocab_size,
-                                                  micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
-                                                  settings=self.config.algorithm)
-                for key, value in step_metrics.items():
+                # On-policy the features come from the update's forward: of the sequences it trains on (groups
+                # of equal rewards are left out of it).
+                result = policy_update_step(self.model, self.optimizer, mini, vocab_size=self.arch.vocab_size,
+                                            micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                            settings=self.config.algorithm, capture_features=capture,
+                                            max_feature_rows=self.config.drafter.buffer_tokens)
+                if capture:
+                    feature_rows += self._keep_features([seq.token_ids for seq in mini], result.features,
+                                                        train_drafter)
+                for key, value in result.metrics.items():
                     metrics.setdefault(key, []).append(value)
-        return {key: statistics.fmean(values) for key, values in metrics.items()}
+        return {key: statistics.fmean(values) for key, values in metrics.items()}, feature_rows
 
     def _sync(self, timeline: RankTimeline) -> SyncStats:
         with timeline.phase("sync"):
@@ -320,7 +349,9 @@ class RLTrainer:
         # Colocated: the engine's KV cache and weights leave the GPU while Megatron trains, as tlt plan counts it.
         self.engine.release_memory()
         old, ref, feature_rows = self._logprob_pass(sequences, timeline, train_drafter)
-        update_metrics = self._update(samples, sequences, advantages, old, ref, timeline)
+        update_metrics, update_feature_rows = self._update(samples, sequences, advantages, old, ref, timeline,
+                                                           train_drafter)
+        feature_rows += update_feature_rows
         self.engine.resume_memory()
         synced = self._sync(timeline)
         report = self._report(own, result, timeline, dropped_groups, tail, feature_rows, synced, alarm, streamed)

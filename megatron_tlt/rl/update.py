@@ -22,6 +22,7 @@ from megatron_tlt.config import AlgorithmConfig
 from megatron_tlt.device import module_device, to_device
 from megatron_tlt.lm_training import check_microbatch_shapes, length_sorted_chunks, token_width
 from megatron_tlt.rl import losses
+from megatron_tlt.rl.actor import CapturedFeatures, FeatureCapture
 
 # Diagnostics summed per token, then divided by the token count of the whole mini-batch.
 _TOKEN_STATS = ("pg_loss", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "approx_kl", "ratio_mean", "kl")
@@ -34,9 +35,11 @@ class PolicySequence:
     token_ids: Sequence[int]
     """Prompt then response."""
     prompt_len: int
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None
     """[len - 1]: log p(token t+1 | <= t) under the rollout policy (from the log-prob pass). The log-prob
-    rows of one micro-batch share a device: they are padded where they are."""
+    rows of one micro-batch share a device: they are padded where they are. None when the update is the
+    first and only optimizer step on the rollout: the policy is still the rollout's, so the update's own
+    forward gives them (detached), with no log-prob pass (``on_policy_logprobs``)."""
     advantage: float
     ref_logprobs: torch.Tensor | None = None
     """[len - 1] under the frozen reference policy, when the KL term is on."""
@@ -48,7 +51,8 @@ class PolicyMicroBatch:
 
     tokens_bs: torch.Tensor
     response_mask_bl: torch.Tensor
-    old_logprobs_bl: torch.Tensor
+    old_logprobs_bl: torch.Tensor | None
+    """None: the update's own log-probs, detached (``PolicySequence.old_logprobs``)."""
     ref_logprobs_bl: torch.Tensor | None
     advantages_b: torch.Tensor
 
@@ -67,9 +71,10 @@ def make_microbatch(sequences: Sequence[PolicySequence], pad_id: int, width: int
         tokens[row, :n] = torch.as_tensor(list(seq.token_ids))
         mask[row, seq.prompt_len - 1 : n - 1] = True
     has_ref = sequences[0].ref_logprobs is not None
+    has_old = sequences[0].old_logprobs is not None
     batch = PolicyMicroBatch(
         tokens_bs=tokens, response_mask_bl=mask,
-        old_logprobs_bl=_pad_rows([s.old_logprobs for s in sequences], width - 1),
+        old_logprobs_bl=_pad_rows([s.old_logprobs for s in sequences], width - 1) if has_old else None,
         ref_logprobs_bl=_pad_rows([s.ref_logprobs for s in sequences], width - 1) if has_ref else None,
         advantages_b=torch.tensor([s.advantage for s in sequences], dtype=torch.float32))
     return to_device(batch, device)
@@ -82,13 +87,19 @@ def _pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     return torch.nn.functional.pad(padded, (0, width - padded.shape[1]))
 
 
+def microbatch_order(sequences: Sequence[PolicySequence], micro_batch_size: int, *, same_width: bool,
+                     input_multiple: int = 1) -> list[tuple[list[int], int]]:
+    """Length-sorted micro-batches (little padding) as (indices into ``sequences``, width to pad to); ``same_width``
+    pads all to one length (PP > 1); widths follow ``token_width(.., input_multiple)``."""
+    return length_sorted_chunks(range(len(sequences)), lambda i: len(sequences[i].token_ids), micro_batch_size,
+                                same_width=same_width, input_multiple=input_multiple)
+
+
 def make_microbatches(sequences: Sequence[PolicySequence], micro_batch_size: int, pad_id: int, *,
                       same_width: bool, device: torch.device, input_multiple: int = 1) -> list[PolicyMicroBatch]:
-    """Length-sorted micro-batches (little padding) on ``device``; ``same_width`` pads all to one length (PP > 1);
-    widths follow ``token_width(.., input_multiple)``."""
-    return [make_microbatch(chunk, pad_id, width, device=device) for chunk, width in
-            length_sorted_chunks(sequences, lambda s: len(s.token_ids), micro_batch_size, same_width=same_width,
-                                 input_multiple=input_multiple)]
+    """``microbatch_order``'s micro-batches, padded, on ``device``."""
+    return [make_microbatch([sequences[i] for i in chunk], pad_id, width, device=device) for chunk, width in
+            microbatch_order(sequences, micro_batch_size, same_width=same_width, input_multiple=input_multiple)]
 
 
 def _forward_step(data_iterator, model, *, vocab_size: int, settings: AlgorithmConfig):
@@ -99,8 +110,11 @@ def _forward_step(data_iterator, model, *, vocab_size: int, settings: AlgorithmC
 
     def loss_fn(logits_bsv: torch.Tensor):
         logprobs_bl = -mcore.vocab_parallel_cross_entropy(logits_bsv, labels, vocab_size)
+        # On-policy (no log-prob pass): the rollout policy is this one, so the ratio is exactly 1 and
+        # the gradient is the policy gradient, as with old log-probs from a separate pass.
+        old_bl = batch.old_logprobs_bl if batch.old_logprobs_bl is not None else logprobs_bl.detach()
         terms = losses.policy_token_terms(
-            logprobs_bl, batch.old_logprobs_bl, batch.advantages_b.unsqueeze(-1), batch.response_mask_bl,
+            logprobs_bl, old_bl, batch.advantages_b.unsqueeze(-1), batch.response_mask_bl,
             ref_logprobs_bt=batch.ref_logprobs_bl, kl_coef=settings.kl_coef,
             clip_low=settings.clip_low, clip_high=settings.clip_high,
         )
@@ -132,42 +146,58 @@ def _reduce_report(reports: list[dict[str, torch.Tensor]], names: tuple[str, ...
         "num_tokens": num_tokens}
 
 
+@dataclasses.dataclass
+class UpdateResult:
+    metrics: dict[str, float]
+    """Token means of the loss terms over the mini-batch, ``num_tokens``, ``grad_norm`` (``skipped`` when
+    there was nothing to learn from)."""
+    features: CapturedFeatures = dataclasses.field(default_factory=CapturedFeatures)
+    """The drafter features the update's forward kept (``capture_features``)."""
+
+
 def policy_update_step(model: torch.nn.Module, optimizer, sequences: Sequence[PolicySequence], *, vocab_size: int,
-                       micro_batch_size: int, pad_id: int, settings: AlgorithmConfig) -> dict[str, float]:
+                       micro_batch_size: int, pad_id: int, settings: AlgorithmConfig, capture_features: bool = False,
+                       max_feature_rows: int | None = None) -> UpdateResult:
     """One optimizer step on this rank's share of a mini-batch (collective over all ranks).
 
     Every rank must call it, also with no sequences of its own (e.g. all its groups were filtered):
-    it then contributes a fully masked micro-batch so the gradient all-reduce still meets.
+    it then contributes a fully masked micro-batch so the gradient all-reduce still meets. With
+    ``capture_features`` its forward keeps the drafter features of the newest sequences that fit
+    ``max_feature_rows`` (``actor.FeatureCapture``), for a step that runs no log-prob pass.
     """
     has_ref = settings.kl_coef != 0.0
     local_tokens = sum(len(s.token_ids) - s.prompt_len for s in sequences)
     total_tokens = torch.tensor([local_tokens], dtype=torch.float64)  # on the CPU on purpose: reduced over gloo
     dist.all_reduce(total_tokens)
     if total_tokens.item() == 0:  # nothing to learn from anywhere: an Adam step on zero grads would still move
-        return {"num_tokens": 0.0, "skipped": 1.0}
+        return UpdateResult({"num_tokens": 0.0, "skipped": 1.0})
     same_width = mcore.stage_info().pp_size > 1
     device = module_device(model)
     input_multiple = mcore.sequence_multiple(model)
+    order = microbatch_order(sequences, micro_batch_size, same_width=same_width, input_multiple=input_multiple)
     if sequences:
-        microbatches = make_microbatches(sequences, micro_batch_size, pad_id, same_width=same_width, device=device,
-                                         input_multiple=input_multiple)
+        microbatches = [make_microbatch([sequences[i] for i in chunk], pad_id, width, device=device)
+                        for chunk, width in order]
     else:  # a placeholder row: zero valid tokens, so it adds nothing to the sums
         placeholder = PolicySequence(token_ids=[pad_id, pad_id], prompt_len=2, old_logprobs=torch.zeros(1), advantage=0.0,
                                      ref_logprobs=torch.zeros(1) if has_ref else None)
         microbatches = [make_microbatch([placeholder], pad_id, device=device, input_multiple=input_multiple)]
     check_microbatch_shapes([tuple(mb.tokens_bs.shape) for mb in microbatches], input_multiple)
+    capture = FeatureCapture(model, [s.token_ids for s in sequences], [chunk for chunk, _ in order], max_feature_rows,
+                             enabled=capture_features)
     model.train()
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    reports = mcore.run_schedule(
-        model, functools.partial(_forward_step, vocab_size=vocab_size, settings=settings), microbatches,
-        seq_length=max(mb.tokens_bs.shape[1] for mb in microbatches) - 1,
-        micro_batch_size=max(mb.tokens_bs.shape[0] for mb in microbatches), forward_only=False,
-    )
+    with capture:
+        reports = mcore.run_schedule(
+            model, functools.partial(_forward_step, vocab_size=vocab_size, settings=settings), microbatches,
+            seq_length=max(mb.tokens_bs.shape[1] for mb in microbatches) - 1,
+            micro_batch_size=max(mb.tokens_bs.shape[0] for mb in microbatches), forward_only=False,
+        )
     update_ok, grad_norm, _ = optimizer.step()
     if not update_ok:
         raise FloatingPointError("optimizer step skipped: gradients overflowed")
     names = ("num_tokens",) + tuple(n for n in _TOKEN_STATS if has_ref or n != "kl")
     metrics = _reduce_report(reports, names)
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-    return metrics
+    return UpdateResult(metrics, capture.result())

@@ -1,6 +1,7 @@
 """Sequence parallelism changes how the policy runs, not what it computes: at TP=2 the log-prob pass (log-probs
 and the drafter's captured features), the logits, one policy update and one warm-up step give the same results
-with it as without, on one checkpoint.
+with it as without, on one checkpoint. In both layouts an on-policy update (no log-prob pass: its own forward
+gives the old log-probs and the drafter features) matches the same update after a log-prob pass.
 
 Token counts are chosen so that padding is exercised: with sequence parallelism the model input (all tokens but
 the last) must split over the 2 TP ranks, so a micro-batch whose longest sequence has an even token count gets
@@ -48,13 +49,41 @@ def _one_layout(ckpt_dir: str, sequence_parallel: bool) -> dict:
                  for i, (seq, lp) in enumerate(zip(SEQUENCES, full.token_logprobs))]
     settings = AlgorithmConfig(clip_low=0.2, clip_high=0.28, loss_aggregation="token_mean", kl_coef=0.1)
     out["update"] = policy_update_step(ddp, optimizer, sequences, vocab_size=vocab, micro_batch_size=2, pad_id=0,
-                                       settings=settings)
+                                       settings=settings).metrics
     out["after_update"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     corpus = [(seq, PROMPT_LEN) for seq in SEQUENCES]
     schedule = WarmupSchedule(steps=1, sequences_per_step=4, micro_batch_size=2, lr=1e-3, seed=0)
     out["warmup"] = run_warmup(ddp, optimizer, corpus, schedule, vocab_size=vocab, pad_id=0, dp_rank=0, dp_size=1)
     out["after_warmup"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["unpadded_refused"] = _unpadded_batch_refusal(ddp, optimizer, vocab)
+    return out
+
+
+def _on_policy_and_after_a_log_prob_pass(ckpt_dir: str, sequence_parallel: bool) -> dict[bool, dict]:
+    """One GRPO update from the checkpoint, capturing the drafter features: with the old log-probs of a log-prob
+    pass (False) and on-policy, from the update's own forward (True)."""
+    from megatron_tlt import mcore, policy
+    from megatron_tlt.build_options import BuildOptions
+    from megatron_tlt.config import AlgorithmConfig
+    from megatron_tlt.rl.actor import compute_logprobs
+    from megatron_tlt.rl.update import PolicySequence, policy_update_step
+
+    out = {}
+    for on_policy in (False, True):
+        model, meta = policy.load_policy_checkpoint(
+            ckpt_dir, options=BuildOptions(sequence_parallel=sequence_parallel), per_token_loss=True)
+        ddp = mcore.wrap_ddp(model)
+        optimizer = mcore.build_optimizer(ddp, lr=1e-3)
+        vocab = meta.arch.vocab_size
+        passed = compute_logprobs(ddp, SEQUENCES, vocab_size=vocab, micro_batch_size=3, capture_hidden=True)
+        sequences = [PolicySequence(token_ids=seq, prompt_len=PROMPT_LEN, old_logprobs=None if on_policy else lp,
+                                    advantage=1.0 - 0.5 * i) for i, (seq, lp) in enumerate(zip(SEQUENCES,
+                                                                                             passed.token_logprobs))]
+        result = policy_update_step(ddp, optimizer, sequences, vocab_size=vocab, micro_batch_size=2, pad_id=0,
+                                    settings=AlgorithmConfig(), capture_features=True, max_feature_rows=BOUNDED_ROWS)
+        out[on_policy] = {"metrics": result.metrics, "kept": result.features.feature_indices,
+                          "features": result.features.features, "pass_features": passed.features,
+                          "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
     return out
 
 
@@ -75,7 +104,8 @@ def _with_and_without_on_rank(ckpt_dir: str) -> dict[bool, dict]:
     from megatron_tlt.parallel import ParallelLayout
 
     with ParallelLayout(tensor_parallel_size=2):
-        return {sp: _one_layout(ckpt_dir, sp) for sp in (False, True)}
+        return {sp: _one_layout(ckpt_dir, sp) | {"on_policy": _on_policy_and_after_a_log_prob_pass(ckpt_dir, sp)}
+                for sp in (False, True)}
 
 
 def _assert_close(ours, ref, what):
@@ -114,6 +144,20 @@ def test_one_update_and_one_warm_up_step_are_the_same_with_sequence_parallelism(
         for stage in ("after_update", "after_warmup"):
             for name, ref in plain[stage].items():
                 _assert_close(sp[stage][name], ref, f"{stage}: {name}")
+
+
+def test_an_on_policy_update_matches_the_update_after_a_log_prob_pass_and_keeps_the_same_features(per_rank):
+    for layouts in per_rank.values():
+        for layout in layouts.values():
+            after_pass, on_policy = layout["on_policy"][False], layout["on_policy"][True]
+            assert on_policy["metrics"]["ratio_mean"] == 1.0 and on_policy["metrics"]["approx_kl"] == 0.0
+            assert on_policy["metrics"]["pg_loss"] == pytest.approx(after_pass["metrics"]["pg_loss"], abs=1e-5)
+            for name, ref in after_pass["params"].items():
+                _assert_close(on_policy["params"][name], ref, f"after the update: {name}")
+            # the update's forward keeps what the buffer would: the last two sequences, as the log-prob pass does
+            assert on_policy["kept"] == after_pass["kept"] == [3, 4]
+            _assert_close(on_policy["features"], after_pass["pass_features"][-BOUNDED_ROWS:], "features")
+            _assert_close(on_policy["features"], after_pass["features"], "features")
 
 
 def test_a_batch_not_padded_for_sequence_parallelism_is_refused_with_the_fix(per_rank):
