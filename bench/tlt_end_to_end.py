@@ -18,6 +18,7 @@ engine's RNG, so the curves are compared for being within noise, not for equalit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--drafter", default=None, help="initial drafter directory (default: the cached warm-up)")
     parser.add_argument("--no-frozen", dest="frozen", action="store_false",
                         help="skip the frozen-drafter run (speculation with the cold-start drafter, no spot training)")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep the runs' directories under this one (off/, on/, frozen/) instead of a temporary one")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = parser.parse_args()
     if args.drafter is None:
@@ -56,14 +59,21 @@ def main() -> None:
     tlt_off = ["drafter.speculative_tokens=0", "drafter.spot_training=false"]
     tlt_on = [f"drafter.speculative_tokens={args.depth}", "drafter.spot_training=true", "speculation.adaptive=true",
               f"drafter.init_dir={args.drafter}"]
-    with tempfile.TemporaryDirectory() as tmp:
-        off = _run(Path(tmp) / "off", common + tlt_off)
-        on = _run(Path(tmp) / "on", common + tlt_on)
-        frozen = _run(Path(tmp) / "frozen", common + tlt_on + ["drafter.spot_training=false"]) if args.frozen else None
+    with contextlib.ExitStack() as stack:
+        root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        off = _run(root / "off", common + tlt_off)
+        on = _run(root / "on", common + tlt_on)
+        frozen = _run(root / "frozen", common + tlt_on + ["drafter.spot_training=false"]) if args.frozen else None
     # step 1 holds the engines' first-call costs in both runs; leave it out of the time ratio
     for key in PHASES:
         a, b = sum(r[key] for r in off[1:]), sum(r[key] for r in on[1:])
-        print(f"  {key:16s} TLT off {a:8.2f}s  TLT on {b:8.2f}s  speedup {a / b:5.2f}x")
+        line = f"  {key:16s} TLT off {a:8.2f}s  TLT on {b:8.2f}s  speedup {a / b:5.2f}x"
+        if frozen is not None:
+            c = sum(r[key] for r in frozen[1:])
+            line += f"   frozen {c:8.2f}s  speedup {a / c:5.2f}x"
+        print(line)
+    rollout_share = sum(r["rollout_seconds"] for r in off[1:]) / sum(r["step_seconds"] for r in off[1:])
+    print(f"  rollout share of a TLT-off step: {rollout_share:.1%}")
     print("  step   reward off / on    accuracy off / on    acceptance (TLT on)")
     chunk = max(1, args.steps // 8)
     for start in range(0, args.steps, chunk):
