@@ -72,7 +72,7 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
         depths = tuple(int(k) for k in args.depths.split(","))
     except ValueError:
         raise ValueError(f"--depths must be comma-separated integers, got '{args.depths}'") from None
-    settings = RolloutBenchSettings(prompts=args.prompts, depths=depths, rounds=args.rounds,
+    settings = RolloutBenchSettings(prompts=args.prompts, depths=depths, rounds=args.rounds, sampled=args.sampled,
                                     bandit_warmup_rollouts=args.bandit_warmup, rotate_prompts=not args.same_prompts)
     figures = start_rollout_bench(args.config, args.overrides, policy=args.policy, drafter=args.drafter,
                                   settings=settings)
@@ -151,7 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--drafter", default=None, metavar="DIR|RUN",
                          help="EAGLE drafter directory or a run (its latest drafter checkpoint); default: a "
                               "warm-up drafter of the initial policy, made on first use and cached")
-    rollout.add_argument("--prompts", type=int, default=64, help="prompts in the rollout (greedy, one response each)")
+    rollout.add_argument("--prompts", type=int, default=64,
+                         help="prompts in the rollout (greedy: one response each; --sampled: rollout.samples_per_prompt)")
+    rollout.add_argument("--sampled", action="store_true",
+                         help="sample as the RL rollout does (rollout.samples_per_prompt at rollout.temperature) "
+                              "instead of greedy; outputs are then not compared token for token")
     rollout.add_argument("--depths", default="1,2,3,4", help="fixed depths to compare (the bandit picks among 0 and these)")
     rollout.add_argument("--rounds", type=int, default=3, help="rounds; each runs every mode once")
     rollout.add_argument("--bandit-warmup", type=int, default=10, metavar="N",

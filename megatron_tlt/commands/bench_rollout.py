@@ -2,10 +2,13 @@
 
 Two engines hold the same policy side by side: one without speculation (the baseline), one with an EAGLE
 drafter and the BEG-MAB scheduler, run either at a pinned depth K (fixed-K speculation) or with the bandit
-choosing each step's depth. Every round runs every mode once on the same prompts, greedy, so the modes
-share the machine's slow and quiet spells and their outputs must be identical token for token (speculation
-is lossless). Each round takes the next prompts of the held-out pool, as each RL step takes new ones: a
-rollout's time hangs on its few longest sequences, so one fixed prompt set would measure one tail. The
+choosing each step's depth. Every round runs every mode once on the same prompts, so the modes share the
+machine's slow and quiet spells. Greedy (the default), their outputs must be identical token for token
+(speculation is lossless). ``--sampled`` samples as the RL rollout does (``rollout.samples_per_prompt``
+responses per prompt at ``rollout.temperature``): outputs then differ between modes draw by draw, and
+losslessness at temperature 1 is the chi-square test's (tests/dist/lossless_sampling.py). Each round takes
+the next prompts of the held-out pool, as each RL step takes new ones: a rollout's time hangs on its few
+longest sequences, so one fixed prompt set would measure one tail. The
 bandit keeps what it learned from round to round, as it does from RL step to RL step; a first, untimed
 round of every mode warms the engines, then BEG-MAB learns over a few more untimed rollouts (in an RL run
 it learns over hundreds), and its cold first rollout is reported beside the timed ones.
@@ -35,7 +38,10 @@ BANDIT = "BEG-MAB"
 @dataclasses.dataclass(kw_only=True)
 class RolloutBenchSettings:
     prompts: int = 64
-    """Prompts in the rollout (greedy, one response each): one rank's share of a tiny-default step is 64."""
+    """Prompts in the rollout: greedy, one response each (one rank's share of a tiny-default step is 64
+    sequences), or, ``sampled``, ``rollout.samples_per_prompt`` each (the default's share is 8 prompts)."""
+    sampled: bool = False
+    """Sample as the RL rollout does (its samples per prompt, at its temperature) instead of greedy."""
     rotate_prompts: bool = True
     """Each rollout takes the next ``prompts`` of the held-out pool (cycling); False: every rollout runs the
     pool's first ``prompts``."""
@@ -102,6 +108,10 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
             pool = [e.prompt_ids for e in task.held_out or task.dataset.examples]
             prompt_sets = _prompt_sets(pool, settings.prompts, settings.rotate_prompts)
             greedy = session.sampling(n=1, temperature=0.0, seed=None)
+            rollout = greedy
+            if settings.sampled:  # the engine's seeded RNG draws (per-request seeds are off while speculating)
+                rollout = session.sampling(n=config.rollout.samples_per_prompt, temperature=config.rollout.temperature,
+                                           seed=None)
             modes = [NO_SPECULATION, *(f"K={k}" for k in settings.depths), BANDIT]
             runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
             for round_index in range(-1, settings.rounds):  # round -1: untimed warm-up
@@ -109,16 +119,16 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
                     cold_bandit = runs[BANDIT].pop()
                     runs = {m: [] for m in modes}
                     for _ in range(settings.bandit_warmup_rollouts):
-                        speculative.generate(next(prompt_sets), greedy)
+                        speculative.generate(next(prompt_sets), rollout)
                 prompts = next(prompt_sets)
                 for mode in modes:
                     if mode == NO_SPECULATION:
-                        runs[mode].append(_run(plain, prompts, greedy))
+                        runs[mode].append(_run(plain, prompts, rollout))
                         continue
                     speculative.pin_speculation_depth(None if mode == BANDIT else int(mode[2:]))
-                    runs[mode].append(_run(speculative, prompts, greedy))
+                    runs[mode].append(_run(speculative, prompts, rollout))
                 logger.info("round %d of %d done", round_index + 1, settings.rounds)
-            figures = _figures(runs, speculative.bandit_summary(), settings.prompts)
+            figures = _figures(runs, speculative.bandit_summary(), settings.prompts, sampled=settings.sampled)
             figures["seconds_by_bucket"] = _seconds_by_bucket(runs, bandit)
             figures["bandit_cold_first_rollout_speedup"] = (
                 statistics.fmean(r.seconds for r in runs[NO_SPECULATION]) / cold_bandit.seconds)
@@ -138,7 +148,15 @@ def _prompt_sets(pool: list, size: int, rotate: bool) -> Iterator[list]:
             start = (start + size) % len(pool)
 
 
-def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: int) -> dict:
+def _paired_ratios(numerator: list[ModeRun], denominator: list[ModeRun]) -> tuple[list[float], float]:
+    """Per round, numerator seconds / denominator seconds (both ran in the same spell of the machine), and
+    the standard error of their mean: how far the overall ratio may be noise."""
+    by_round = [a.seconds / b.seconds for a, b in zip(numerator, denominator)]
+    error = statistics.stdev(by_round) / len(by_round) ** 0.5 if len(by_round) > 1 else float("nan")
+    return by_round, error
+
+
+def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: int, *, sampled: bool = False) -> dict:
     base = runs[NO_SPECULATION]
     base_seconds = sum(r.seconds for r in base)
     base_tail = sum(r.tail_seconds for r in base)
@@ -152,20 +170,19 @@ def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: 
             "mean_acceptance_length": statistics.fmean(r.acceptance_length for r in mode_runs),
             "speedup": base_seconds / seconds,
             "long_tail_speedup": base_tail / tail if tail > 0 else float("nan"),
-            # Round by round: each round has its own prompts.
-            "greedy_identical": all(r.token_ids == b.token_ids for r, b in zip(mode_runs, base)),
+            # Round by round: each round has its own prompts. Sampled, draws differ: not compared.
+            "greedy_identical": None if sampled else all(r.token_ids == b.token_ids for r, b in zip(mode_runs, base)),
+            "speedup_by_round_standard_error": _paired_ratios(base, mode_runs)[1],
         }
     fixed = [m for m in modes if m.startswith("K=")]
     best_fixed = max(fixed, key=lambda m: modes[m]["speedup"])
-    # Paired by round (both ran in the same spell of the machine): the spread says how far the overall
-    # ratio may be noise. The best fixed depth is picked on all rounds, which favours it slightly.
-    by_round = [f.seconds / b.seconds for f, b in zip(runs[best_fixed], runs[BANDIT])]
-    return {"prompts": num_prompts, "rounds": len(base), "modes": modes, "best_fixed": best_fixed,
+    # Paired by round. The best fixed depth is picked on all rounds, which favours it slightly.
+    by_round, error = _paired_ratios(runs[best_fixed], runs[BANDIT])
+    return {"prompts": num_prompts, "rounds": len(base), "sampled": sampled, "modes": modes, "best_fixed": best_fixed,
             "bandit_over_best_fixed": modes[BANDIT]["speedup"] / modes[best_fixed]["speedup"],
             "bandit_over_best_fixed_by_round": by_round,
-            "bandit_over_best_fixed_standard_error": (statistics.stdev(by_round) / len(by_round) ** 0.5
-                                                      if len(by_round) > 1 else float("nan")),
-            "all_greedy_identical": all(m["greedy_identical"] for m in modes.values()),
+            "bandit_over_best_fixed_standard_error": error,
+            "all_greedy_identical": None if sampled else all(m["greedy_identical"] for m in modes.values()),
             "bandit": bandit_summary}
 
 
@@ -186,14 +203,20 @@ def _seconds_by_bucket(runs: dict[str, list[ModeRun]], settings: SpeculationConf
 
 
 def format_figures(figures: dict) -> str:
-    lines = [f"{'mode':16s} {'s/rollout':>9s} {'tokens/s':>9s} {'accept':>7s} {'speedup':>8s} {'tail':>7s}  greedy"]
+    sampled = figures.get("sampled", False)
+    lines = [f"{'mode':16s} {'s/rollout':>9s} {'tokens/s':>9s} {'accept':>7s} {'speedup':>8s} {'+-se':>6s} "
+             f"{'tail':>7s}  {'sampled' if sampled else 'greedy'}"]
     for mode, m in figures["modes"].items():
+        outputs = "(draws differ)" if m["greedy_identical"] is None else (
+            "identical" if m["greedy_identical"] else "DIFFERENT")
         lines.append(f"{mode:16s} {m['seconds_per_rollout']:9.2f} {m['tokens_per_second']:9.1f} "
-                     f"{m['mean_acceptance_length']:7.2f} {m['speedup']:7.2f}x {m['long_tail_speedup']:6.2f}x  "
-                     f"{'identical' if m['greedy_identical'] else 'DIFFERENT'}")
+                     f"{m['mean_acceptance_length']:7.2f} {m['speedup']:7.2f}x "
+                     f"{m.get('speedup_by_round_standard_error', float('nan')):6.3f} "
+                     f"{m['long_tail_speedup']:6.2f}x  {outputs}")
+    identical = ("sampled: outputs are not compared (the chi-square test covers it)" if sampled else
+                 f"greedy outputs identical across all modes: {figures['all_greedy_identical']}")
     lines.append(f"BEG-MAB / best fixed ({figures['best_fixed']}): {figures['bandit_over_best_fixed']:.3f}; "
-                 f"{figures['prompts']} prompts x {figures['rounds']} rounds; greedy outputs identical across all "
-                 f"modes: {figures['all_greedy_identical']}")
+                 f"{figures['prompts']} prompts x {figures['rounds']} rounds; {identical}")
     lines.append("BEG-MAB / best fixed per round: " + ", ".join(
         f"{r:.3f}" for r in figures["bandit_over_best_fixed_by_round"])
         + f" (standard error of their mean {figures['bandit_over_best_fixed_standard_error']:.3f})")

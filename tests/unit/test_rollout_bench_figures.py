@@ -39,6 +39,18 @@ def test_an_output_that_differs_from_no_speculation_is_reported():
     assert not figures["modes"]["K=1"]["greedy_identical"] and not figures["all_greedy_identical"]
 
 
+def test_sampled_rollouts_are_timed_paired_but_their_outputs_are_not_compared():
+    runs = {NO_SPECULATION: [_run(2.0), _run(3.0)], "K=1": [_run(1.0, tokens=((1, 2, 4),)), _run(2.0)],
+            BANDIT: [_run(1.0), _run(1.0)]}
+    figures = _figures(runs, {}, num_prompts=1, sampled=True)
+    assert figures["modes"]["K=1"]["greedy_identical"] is None and figures["all_greedy_identical"] is None
+    # no speculation / K=1 per round: 2.0 and 1.5, so a standard error of 0.25
+    assert figures["modes"]["K=1"]["speedup_by_round_standard_error"] == pytest.approx(0.25)
+    figures["bandit_cold_first_rollout_speedup"] = 1.0
+    text = format_figures(figures)
+    assert "(draws differ)" in text and "sampled: outputs are not compared" in text and "DIFFERENT" not in text
+
+
 def test_each_rollout_takes_the_next_prompts_of_the_pool_wrapping_round():
     sets = _prompt_sets(list("abcde"), 2, rotate=True)
     assert [next(sets) for _ in range(4)] == [["a", "b"], ["c", "d"], ["e", "a"], ["b", "c"]]
