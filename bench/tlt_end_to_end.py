@@ -4,13 +4,17 @@ beside them the skeptic's baseline: the same speculation with the drafter frozen
     python bench/tlt_end_to_end.py                       # 40 steps each, the tiny default
     python bench/tlt_end_to_end.py --steps 20 -- rollout.max_response_tokens=256
     python bench/tlt_end_to_end.py --no-frozen           # only TLT off and TLT on
+    python bench/tlt_end_to_end.py --steps 10 --repeats 2 # off, on, frozen, frozen, on, off: drift cancels
 
 Both runs use the same seeds and the same number of steps. TLT on starts its drafter from the benchmarks'
 cached warm-up drafter of the initial policy (``commands/start.cold_start_drafter``, made on first use, as ``tlt bench
 rollout`` does), speculates up to depth ``--depth`` with BEG-MAB choosing per engine step, and trains the drafter
 on idle ranks. The frozen run is TLT on without the spot trainer: its drafter stays the cold-start one
 (in-domain, not random), so the acceptance ratio online / frozen is what training on idle ranks adds.
-Prints the step-time ratio (total and per phase), and the reward and accuracy curves of
+With ``--repeats R`` every arm runs R times, in an order reversed every other repeat (ABBA), so a machine
+that drifts slower or faster during the benchmark weighs on every arm alike; times are summed over the
+repeats and each repeat's ratio is printed too. Prints the step-time ratio (total and per phase), and the
+reward and accuracy curves of
 both runs side by side (sampling differs between them: speculative rollouts on CPU draw from the
 engine's RNG, so the curves are compared for being within noise, not for equality).
 """
@@ -46,10 +50,15 @@ def main() -> None:
     parser.add_argument("--drafter", default=None, help="initial drafter directory (default: the cached warm-up)")
     parser.add_argument("--no-frozen", dest="frozen", action="store_false",
                         help="skip the frozen-drafter run (speculation with the cold-start drafter, no spot training)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per arm, in ABBA order (off, on, frozen, frozen, on, off, ...)")
     parser.add_argument("--keep", type=Path, default=None,
-                        help="keep the runs' directories under this one (off/, on/, frozen/) instead of a temporary one")
+                        help="keep the runs' directories under this one (off-1/, on-1/, frozen-1/, ...) instead of a "
+                             "temporary one")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = parser.parse_args()
+    if args.repeats < 1 or args.steps < 2:
+        parser.error("--repeats must be >= 1 and --steps >= 2 (step 1 is left out of the times)")
     if args.drafter is None:
         from megatron_tlt.commands.start import cold_start_drafter
 
@@ -59,20 +68,32 @@ def main() -> None:
     tlt_off = ["drafter.speculative_tokens=0", "drafter.spot_training=false"]
     tlt_on = [f"drafter.speculative_tokens={args.depth}", "drafter.spot_training=true", "speculation.adaptive=true",
               f"drafter.init_dir={args.drafter}"]
+    arms = {"off": common + tlt_off, "on": common + tlt_on}
+    if args.frozen:
+        arms["frozen"] = common + tlt_on + ["drafter.spot_training=false"]
+    runs: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
     with contextlib.ExitStack() as stack:
         root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        off = _run(root / "off", common + tlt_off)
-        on = _run(root / "on", common + tlt_on)
-        frozen = _run(root / "frozen", common + tlt_on + ["drafter.spot_training=false"]) if args.frozen else None
-    # step 1 holds the engines' first-call costs in both runs; leave it out of the time ratio
+        for repeat in range(args.repeats):
+            for arm in (list(arms) if repeat % 2 == 0 else list(arms)[::-1]):
+                runs[arm].append(_run(root / f"{arm}-{repeat + 1}", arms[arm]))
+    # step 1 holds the engines' first-call costs in every run; leave it out of the time ratio
+    def seconds(arm: str, key: str, repeat: int | None = None) -> float:
+        chosen = runs[arm] if repeat is None else [runs[arm][repeat]]
+        return sum(r[key] for records in chosen for r in records[1:])
+
     for key in PHASES:
-        a, b = sum(r[key] for r in off[1:]), sum(r[key] for r in on[1:])
+        a, b = seconds("off", key), seconds("on", key)
         line = f"  {key:16s} TLT off {a:8.2f}s  TLT on {b:8.2f}s  speedup {a / b:5.2f}x"
-        if frozen is not None:
-            c = sum(r[key] for r in frozen[1:])
+        if args.frozen:
+            c = seconds("frozen", key)
             line += f"   frozen {c:8.2f}s  speedup {a / c:5.2f}x"
         print(line)
-    rollout_share = sum(r["rollout_seconds"] for r in off[1:]) / sum(r["step_seconds"] for r in off[1:])
+    if args.repeats > 1:
+        print("  step time TLT off / on per repeat: " + ", ".join(
+            f"{seconds('off', 'step_seconds', i) / seconds('on', 'step_seconds', i):.3f}x" for i in range(args.repeats)))
+    off, on, frozen = runs["off"][0], runs["on"][0], runs["frozen"][0] if args.frozen else None
+    rollout_share = seconds("off", "rollout_seconds") / seconds("off", "step_seconds")
     print(f"  rollout share of a TLT-off step: {rollout_share:.1%}")
     print("  step   reward off / on    accuracy off / on    acceptance (TLT on)")
     chunk = max(1, args.steps // 8)
@@ -87,23 +108,27 @@ def main() -> None:
     print(f"  last {args.steps - half} steps: reward off {_window_mean(off, 'reward_mean', half, args.steps):.3f}, "
           f"on {_window_mean(on, 'reward_mean', half, args.steps):.3f}; reward std over steps (off) "
           f"{statistics.stdev(r['reward_mean'] for r in off[half:]):.3f}")
-    total = sum(r["step_seconds"] for r in off[1:]) / sum(r["step_seconds"] for r in on[1:])
+    total = seconds("off", "step_seconds") / seconds("on", "step_seconds")
     if frozen is not None:
-        _print_frozen_baseline(off, on, frozen, half)
+        _print_frozen_baseline(runs, half)
     print(f"end-to-end step time, TLT off / on over steps 2-{args.steps}: {total:.3f}x")
 
 
-def _print_frozen_baseline(off: list[dict], on: list[dict], frozen: list[dict], half: int) -> None:
-    """Online vs frozen drafter over the second half of the steps, where the policy has moved on."""
-    def acceptance(records):
-        return statistics.fmean(r.get("spec/mean_acceptance_length", float("nan")) for r in records[half:])
+def _print_frozen_baseline(runs: dict[str, list[list[dict]]], half: int) -> None:
+    """Online vs frozen drafter over the second half of the steps (every repeat), where the policy has moved on."""
+    def acceptance(arm: str) -> float:
+        return statistics.fmean(r.get("spec/mean_acceptance_length", float("nan"))
+                                for records in runs[arm] for r in records[half:])
 
-    online, still = acceptance(on), acceptance(frozen)
-    print(f"  acceptance length, steps {half + 1}-{len(on)}: online drafter {online:.2f}, frozen after the cold "
-          f"start {still:.2f}: ratio {online / still:.3f}x (accepted draft tokens: {(online - 1) / (still - 1):.3f}x)")
-    frozen_total = sum(r["step_seconds"] for r in off[1:]) / sum(r["step_seconds"] for r in frozen[1:])
-    print(f"  step time TLT off / frozen drafter: {frozen_total:.3f}x; rollout "
-          f"{sum(r['rollout_seconds'] for r in off[1:]) / sum(r['rollout_seconds'] for r in frozen[1:]):.3f}x")
+    def total(arm: str, key: str) -> float:
+        return sum(r[key] for records in runs[arm] for r in records[1:])
+
+    online, still = acceptance("on"), acceptance("frozen")
+    print(f"  acceptance length, steps {half + 1}-{len(runs['on'][0])}: online drafter {online:.2f}, frozen after the "
+          f"cold start {still:.2f}: ratio {online / still:.3f}x (accepted draft tokens: "
+          f"{(online - 1) / (still - 1):.3f}x)")
+    print(f"  step time TLT off / frozen drafter: {total('off', 'step_seconds') / total('frozen', 'step_seconds'):.3f}x; "
+          f"rollout {total('off', 'rollout_seconds') / total('frozen', 'rollout_seconds'):.3f}x")
 
 
 if __name__ == "__main__":
