@@ -36,6 +36,7 @@ from megatron_tlt.build_options import ATTENTIONS, RECOMPUTES, BuildOptions
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
 # drafter.precision's choices; drafter/precision.py says what each means (it imports torch, so they live here)
 DRAFTER_PRECISIONS = ("auto", "fp32", "bf16", "fp8")
+DEPTH_POLICIES = ("bandit", "goodput")
 # algorithm.advantage's choices: the estimators rl/advantages.py registers (it refuses a name not listed here)
 ADVANTAGES = ("grpo", "rloo")
 # data.solution_style's choices: the built-in task's ways of writing a worked solution (rl/synthetic_task.py)
@@ -388,6 +389,10 @@ class SpeculationConfig:
 
     adaptive: bool = False
     """Let the bandit choose the depth per engine step, up to drafter.speculative_tokens (moot when that is 0)."""
+    policy: str = "bandit"
+    """What chooses each step's depth when ``adaptive``: ``bandit`` (BEG-MAB, TLT's: a reward window per
+    batch-size bucket and depth) or ``goodput`` (``spec/goodput.py``: the live requests' own acceptance and a
+    fitted step-cost model; the epsilon, window and min_observations below serve it too)."""
     bucket_bounds: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 5, 21, 32])
     """Inclusive upper batch-size bounds of the buckets (TLT's: 1, 2, 3-5, 6-21, 22-32, then 33+)."""
     depths: list[int] | None = None
@@ -409,6 +414,8 @@ class SpeculationConfig:
     def __post_init__(self) -> None:
         self._check_buckets()
         self._check_depths()
+        if self.policy not in DEPTH_POLICIES:
+            raise ConfigError(f"speculation.policy must be {' or '.join(DEPTH_POLICIES)}, got '{self.policy}'")
         # Written so that NaN fails too: every comparison with NaN is False.
         if not 0.0 <= self.epsilon <= 1.0:
             raise ConfigError(f"speculation.epsilon must be in [0, 1], got {self.epsilon}.")

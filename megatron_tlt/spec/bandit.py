@@ -77,8 +77,11 @@ class BucketedEpsilonGreedy:
         hi = self._bounds[bucket]
         return str(hi) if lo == hi else f"{lo}-{hi}"
 
-    def choose(self, batch_size: int) -> int:
-        """The depth K for an engine step running `batch_size` sequences."""
+    kind = "bandit"
+
+    def choose(self, batch_size: int, live: Iterable[str] = ()) -> int:
+        """The depth K for an engine step running `batch_size` sequences (``live``, their request ids, is
+        the goodput model's; the bandit sees only the batch size)."""
         bucket = self.bucket_of(batch_size)
         windows = self._rewards[bucket]
         untried = [k for k, w in zip(self._depths, windows) if len(w) < self.settings.min_observations]
@@ -103,6 +106,17 @@ class BucketedEpsilonGreedy:
         if not math.isfinite(reward):
             return
         self._rewards[bucket][arm].append(float(reward))
+
+    def observe_step(self, batch_size: int, depth: int, tokens: int, seconds: float) -> None:
+        """A clean decode step of ``batch_size`` sequences at ``depth`` made ``tokens`` in ``seconds``."""
+        if seconds > 0:
+            self.observe(self.bucket_of(batch_size), depth, tokens / seconds)
+
+    def observe_drafts(self, request_id: str, drafted: int, accepted: int) -> None:
+        """Per-request acceptance: the goodput model's input; the bandit's reward already holds it."""
+
+    def forget_requests_except(self, live: Iterable[str]) -> None:
+        """The goodput model's per-request counts; the bandit keeps none."""
 
     def estimate(self, bucket: int, depth: int) -> float | None:
         """Median of the block means of the arm's reward window, or None if the arm was never observed."""
@@ -144,6 +158,7 @@ class BucketedEpsilonGreedy:
         settings["seed"] = self.seed
         return {
             "version": _STATE_VERSION,
+            "policy": self.kind,
             "settings": settings,
             "rewards": [[list(w) for w in windows] for windows in self._rewards],
             "pulls": [list(p) for p in self._pulls],
@@ -156,6 +171,9 @@ class BucketedEpsilonGreedy:
         epsilon and window are this instance's (so a resumed run may change them); if the window is
         smaller than the saved one, each arm keeps its newest rewards.
         """
+        if state.get("policy", self.kind) != self.kind:  # states from before the key was written are a bandit's
+            raise BanditConfigError(f"saved depth-policy state is '{state['policy']}', this engine's "
+                                    f"speculation.policy is '{self.kind}'")
         saved = state["settings"]
         if tuple(saved["bucket_bounds"]) != self._bounds:
             raise BanditConfigError(

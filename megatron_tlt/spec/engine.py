@@ -383,6 +383,15 @@ class RolloutEngine:
             raise EngineError("BEG-MAB is off in this engine: there is no bandit state to load")
         scheduler.bandit.load_state_dict(state)
 
+    def swap_depth_policy(self, policy):
+        """Put ``policy`` (a ``BucketedEpsilonGreedy`` or ``GoodputDepthModel`` over this engine's depths) in charge
+        of the depths; returns the one it replaces, with what it learned (benchmarks compare policies on one engine)."""
+        scheduler = self.adaptive_scheduler()
+        if scheduler is None:
+            raise EngineError("a depth policy needs an engine built with adaptive speculation")
+        previous, scheduler.bandit = scheduler.bandit, policy
+        return previous
+
     def pin_speculation_depth(self, depth: int | None) -> None:
         """Run every step at ``depth`` instead of the bandit's choice (None: back to the bandit)."""
         scheduler = self.adaptive_scheduler()
