@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 NO_SPECULATION = "no speculation"
 BANDIT = "BEG-MAB"
+GOODPUT = "goodput"
+ADAPTIVE = (BANDIT, GOODPUT)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -90,9 +92,10 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
     from megatron_tlt.drafter.tlt_drafter import FrozenDrafter
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl.rank_session import RankSession
+    from megatron_tlt.spec.adaptive_scheduler import depth_policy_for
     from megatron_tlt.spec.engine import SpeculativeSettings
 
-    bandit = dataclasses.replace(config.speculation, adaptive=True, depths=[0, *settings.depths])
+    bandit = dataclasses.replace(config.speculation, adaptive=True, depths=[0, *settings.depths], policy="bandit")
     speculation = SpeculativeSettings(num_speculative_tokens=max(settings.depths), adaptive=bandit,
                                       seed=config.trainer.seed)
     with ParallelLayout(seed=config.trainer.seed), tempfile.TemporaryDirectory(prefix="tlt-bench-rollout-") as workdir:
@@ -112,26 +115,40 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
             if settings.sampled:  # the engine's seeded RNG draws (per-request seeds are off while speculating)
                 rollout = session.sampling(n=config.rollout.samples_per_prompt, temperature=config.rollout.temperature,
                                            seed=None)
-            modes = [NO_SPECULATION, *(f"K={k}" for k in settings.depths), BANDIT]
+            # One engine, two depth policies, each swapped in for its own rollouts and keeping what it learned.
+            policies = {BANDIT: speculative.adaptive_scheduler().bandit,
+                        GOODPUT: depth_policy_for(dataclasses.replace(bandit, policy=GOODPUT),
+                                                  max(settings.depths), config.trainer.seed)}
+            modes = [NO_SPECULATION, *(f"K={k}" for k in settings.depths), *ADAPTIVE]
             runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
+            summaries = {}
             for round_index in range(-1, settings.rounds):  # round -1: untimed warm-up
                 if round_index == 0:
-                    cold_bandit = runs[BANDIT].pop()
+                    cold = {m: runs[m].pop() for m in ADAPTIVE}
                     runs = {m: [] for m in modes}
                     for _ in range(settings.bandit_warmup_rollouts):
-                        speculative.generate(next(prompt_sets), rollout)
+                        prompts = next(prompt_sets)
+                        for mode in ADAPTIVE:
+                            speculative.swap_depth_policy(policies[mode])
+                            speculative.generate(prompts, rollout)
                 prompts = next(prompt_sets)
                 for mode in modes:
                     if mode == NO_SPECULATION:
                         runs[mode].append(_run(plain, prompts, rollout))
                         continue
-                    speculative.pin_speculation_depth(None if mode == BANDIT else int(mode[2:]))
+                    if mode in ADAPTIVE:
+                        speculative.swap_depth_policy(policies[mode])
+                    speculative.pin_speculation_depth(None if mode in ADAPTIVE else int(mode[2:]))
                     runs[mode].append(_run(speculative, prompts, rollout))
+                    if mode in ADAPTIVE:
+                        summaries[mode] = speculative.bandit_summary()
                 logger.info("round %d of %d done", round_index + 1, settings.rounds)
-            figures = _figures(runs, speculative.bandit_summary(), settings.prompts, sampled=settings.sampled)
+            figures = _figures(runs, summaries[BANDIT], settings.prompts, sampled=settings.sampled)
+            figures["goodput"] = summaries[GOODPUT]
             figures["seconds_by_bucket"] = _seconds_by_bucket(runs, bandit)
-            figures["bandit_cold_first_rollout_speedup"] = (
-                statistics.fmean(r.seconds for r in runs[NO_SPECULATION]) / cold_bandit.seconds)
+            base = statistics.fmean(r.seconds for r in runs[NO_SPECULATION])
+            figures["bandit_cold_first_rollout_speedup"] = base / cold[BANDIT].seconds
+            figures["goodput_cold_first_rollout_speedup"] = base / cold[GOODPUT].seconds
             return figures
         finally:
             session.close()
@@ -178,10 +195,17 @@ def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: 
     best_fixed = max(fixed, key=lambda m: modes[m]["speedup"])
     # Paired by round. The best fixed depth is picked on all rounds, which favours it slightly.
     by_round, error = _paired_ratios(runs[best_fixed], runs[BANDIT])
+    adaptive = {}
+    if GOODPUT in runs:
+        goodput_by_round, goodput_error = _paired_ratios(runs[best_fixed], runs[GOODPUT])
+        adaptive = {"goodput_over_best_fixed": modes[GOODPUT]["speedup"] / modes[best_fixed]["speedup"],
+                    "goodput_over_best_fixed_by_round": goodput_by_round,
+                    "goodput_over_best_fixed_standard_error": goodput_error}
     return {"prompts": num_prompts, "rounds": len(base), "sampled": sampled, "modes": modes, "best_fixed": best_fixed,
             "bandit_over_best_fixed": modes[BANDIT]["speedup"] / modes[best_fixed]["speedup"],
             "bandit_over_best_fixed_by_round": by_round,
             "bandit_over_best_fixed_standard_error": error,
+            **adaptive,
             "all_greedy_identical": None if sampled else all(m["greedy_identical"] for m in modes.values()),
             "bandit": bandit_summary}
 
@@ -220,8 +244,14 @@ def format_figures(figures: dict) -> str:
     lines.append("BEG-MAB / best fixed per round: " + ", ".join(
         f"{r:.3f}" for r in figures["bandit_over_best_fixed_by_round"])
         + f" (standard error of their mean {figures['bandit_over_best_fixed_standard_error']:.3f})")
+    if "goodput_over_best_fixed" in figures:
+        lines.append(f"goodput / best fixed ({figures['best_fixed']}): {figures['goodput_over_best_fixed']:.3f}; per round "
+                     + ", ".join(f"{r:.3f}" for r in figures["goodput_over_best_fixed_by_round"])
+                     + f" (standard error of their mean {figures['goodput_over_best_fixed_standard_error']:.3f})")
     lines.append(f"BEG-MAB's first rollout, before it had tried its arms (untimed): "
                  f"{figures['bandit_cold_first_rollout_speedup']:.2f}x")
+    if "goodput_cold_first_rollout_speedup" in figures:
+        lines.append(f"goodput's first rollout (untimed): {figures['goodput_cold_first_rollout_speedup']:.2f}x")
     lines.append("BEG-MAB's best depth per batch-size bucket: " + ", ".join(
         f"{bucket}: {v['best']}" for bucket, v in figures["bandit"].items() if v["best"] is not None))
     return "\n".join(lines)
