@@ -9,6 +9,7 @@ SMALL = [
     "model.tiny.num_attention_heads=4", "model.tiny.num_key_value_heads=2", "data.max_solution_steps=20",
     "trainer.micro_batch_size=4", *TLT_OFF,
     "drafter.cold_start=false", "drafter.lr=1e-3", "drafter.spot_lr=null", "speculation.adaptive=false",
+    "speculation.policy=bandit",  # a test that turns adaptive depth on tests TLT's BEG-MAB unless it says otherwise
     "warmup.steps=30", "warmup.corpus_size=1024", "data.synthetic_prompts=256", "data.held_out_prompts=16",
     "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=48",
     "trainer.eval_every=0",

@@ -65,6 +65,11 @@ class GoodputDepthModel:
         self.max_depth = max_depth
         self.seed = seed
         self._depths = settings.arms(max_depth)
+        if settings.window < settings.min_observations * len(self._depths):
+            raise BanditConfigError(
+                f"speculation.window={settings.window} cannot hold min_observations={settings.min_observations} steps "
+                f"of each of the {len(self._depths)} depths {self._depths}: the goodput model would never stop trying "
+                "them; raise the window or lower min_observations")
         self._buckets = BucketedEpsilonGreedy(settings, max_depth=max_depth)  # bucket labels for the summary
         self._rng = random.Random(seed)
         self._steps: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=settings.window)

@@ -1,10 +1,13 @@
-"""BEG-MAB inside vLLM: the scheduler hook picks each step's depth from the live batch size, learns from
-the engine's own step counts, stays lossless, and its state survives a save and load.
+"""Adaptive depth inside vLLM: the scheduler hook picks each step's depth (BEG-MAB from the live batch size,
+the goodput model from the live requests' drafts), learns from the engine's own step counts, stays lossless,
+and its state survives a save and load.
 
 Uses ``tiny_models.next_token_fixture``: a drafter that is always right (depth 3 pays) and one that is
 never right (deep speculation does not pay). The scheduler's clock counts engine steps instead of
 seconds, so every reward is exact on any machine, however loaded. One engine process for all checks.
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -29,8 +32,22 @@ class _StepCounter:
         return float(self.steps)
 
 
+class _DepthCostClock:
+    """A clock on which an engine step at depth k takes 1 + k / 2 units (deep drafts cost more), read from the
+    scheduler's log of the step that just ended: the goodput model's step-cost fit is then exact."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.now = scheduler, 0.0
+
+    def __call__(self) -> float:
+        log = self.scheduler.step_log
+        self.now += 1.0 + (log[-1][1] / 2 if log else 0.0)
+        return self.now
+
+
 def _adaptive_engine_on_rank(workdir: str):
     from megatron_tlt.config import SpeculationConfig
+    from megatron_tlt.spec.adaptive_scheduler import depth_policy_for
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings, SpeculativeSettings
 
@@ -67,9 +84,27 @@ def _adaptive_engine_on_rank(workdir: str):
             out["bad_summary"] = engine.bandit_summary()
             engine.load_bandit_state(saved)
             out["restored_summary"] = engine.bandit_summary()
+            _goodput_on_the_same_engine(engine, fixture, depth_policy_for(
+                dataclasses.replace(bandit, policy="goodput", epsilon=0.0, window=300), K), greedy, out)
         finally:
             engine.close()
     return out
+
+
+def _goodput_on_the_same_engine(engine, fixture, goodput, greedy, out) -> None:
+    """The goodput model in charge of the same engine, on a clock where depth costs time."""
+    scheduler = engine.adaptive_scheduler()
+    engine.load_drafter(fixture["good_drafter"])
+    engine.swap_depth_policy(goodput)
+    scheduler.clock = _DepthCostClock(scheduler)
+    out["goodput_learning_depths"] = engine.generate(PROMPTS, greedy).step_depths  # tries every depth first
+    good = engine.generate(PROMPTS, greedy)
+    out["goodput_good_depths"], out["goodput_greedy"] = good.step_depths, [r[0] for r in good.token_ids]
+    out["goodput_good_summary"] = engine.bandit_summary()
+    engine.load_drafter(fixture["bad_drafter"])
+    for _ in range(3):  # the engine-wide acceptance forgets the good drafter's drafts step by step
+        bad = engine.generate(PROMPTS, greedy)
+    out["goodput_bad_depths"], out["goodput_bad_summary"] = bad.step_depths, engine.bandit_summary()
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +168,19 @@ def test_a_pinned_depth_runs_every_step_at_it(adaptive):
 def test_bandit_state_saved_and_loaded_restores_what_it_had_learned(adaptive):
     assert adaptive["restored_summary"] == adaptive["good_summary"]
     assert adaptive["restored_summary"] != adaptive["bad_summary"]
+
+
+def test_goodput_runs_the_depth_of_the_most_tokens_per_unit_of_time(adaptive):
+    """On the depth-cost clock a depth-k step takes 1 + k/2 units: with the drafter that is always right it makes
+    k + 1 tokens per sequence (k = 3 is best: 4 / 2.5), with the one that is never right 1 (k = 0 is best). The
+    model learns both from the requests' drafts and the fitted cost, and the output stays the target's."""
+    learning = adaptive["goodput_learning_depths"]
+    assert set(learning) == {0, 1, 2, 3}, learning  # each depth measured before the fit is trusted
+    good = adaptive["goodput_good_depths"]
+    assert good.count(K) >= len(good) - 2, good  # the step that prefills may run another depth
+    assert adaptive["goodput_good_summary"]["5-8"]["best"] == K
+    assert adaptive["goodput_greedy"] == adaptive["greedy"]
+    # New requests start from the engine-wide acceptance (its deep positions still remember the good drafter:
+    # the bad one's drafts never reach them); their own first drafts take them to k = 0 within a few steps.
+    bad = adaptive["goodput_bad_depths"]
+    assert bad[0] > 0 and set(bad[6:]) == {0}, bad

@@ -157,3 +157,8 @@ def test_speculation_policy_names_the_model():
     assert isinstance(depth_policy_for(SpeculationConfig(adaptive=True), 2), BucketedEpsilonGreedy)
     with pytest.raises(ConfigError, match="speculation.policy must be bandit or goodput, got 'ucb'"):
         SpeculationConfig(policy="ucb")
+
+
+def test_a_window_too_small_to_try_every_depth_is_refused():
+    with pytest.raises(BanditConfigError, match=r"window=10 cannot hold min_observations=3 steps of each of the 6"):
+        make(window=10)
