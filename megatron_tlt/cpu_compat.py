@@ -45,6 +45,7 @@ _EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 _enabled = False
 _vllm_fixed = False
+_redirect_mode: TorchFunctionMode | None = None  # the CUDA-redirecting mode enable() entered
 
 
 def cuda_available() -> bool:
@@ -166,7 +167,9 @@ def enable() -> bool:
     _check_megatron_version()
 
     # The mode must outlive any single call: Megatron allocates CUDA buffers lazily.
-    _CudaToCpuMode().__enter__()
+    global _redirect_mode
+    _redirect_mode = _CudaToCpuMode()
+    _redirect_mode.__enter__()
     # The CPU itself, not an index: tensors Megatron makes with device=torch.cuda.current_device() then land
     # on the CPU also in backward passes, which run outside the redirecting mode.
     torch.cuda.current_device = lambda: torch.device("cpu")
@@ -193,6 +196,27 @@ def enable() -> bool:
     _enabled = True
     logger.info("megatron_tlt.cpu_compat enabled: Megatron-Core CUDA calls redirected to CPU")
     return True
+
+
+@contextlib.contextmanager
+def redirect_suspended():
+    """Run the block without the CUDA-redirecting mode (where it is on top of the mode stack).
+
+    The mode sees every torch call in the process, ~1 us each on this CPU, while a small op takes ~2 us:
+    vLLM's CPU engine makes no CUDA calls, and its thousands of small ops per rollout step need not pay it.
+    """
+    if _redirect_mode is None or torch._C._len_torch_function_stack() == 0:
+        yield
+        return
+    top = torch._C._pop_torch_function_stack()
+    if top is not _redirect_mode:  # another mode above ours: leave the stack as it is
+        torch._C._push_on_torch_function_stack(top)
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch._C._push_on_torch_function_stack(top)
 
 
 def _expand_kernel_dtype_safe(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_tlt import layout_rules
+from megatron_tlt import cpu_compat, layout_rules
 from megatron_tlt.config import RolloutEngineConfig, SpeculationConfig
 from megatron_tlt.model_config import PolicyArchitecture
 from megatron_tlt.spec.cuda_graphs import speculation_schedule
@@ -237,8 +237,6 @@ class RolloutEngine:
                             additional_config=adaptive_scheduler.bandit_additional_config(
                                 speculative.adaptive, speculative.seed))
         if not torch.cuda.is_available():
-            from megatron_tlt import cpu_compat
-
             cpu_compat.enable_vllm_fixes()
             if self.tensor_parallel_size > 1:  # its ranks meet in /dev/shm segments named after the group only
                 cpu_compat.remove_stale_engine_shm()
@@ -322,7 +320,8 @@ class RolloutEngine:
         request_ids = self._llm.enqueue([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                         use_tqdm=False)
         prompt_of = {request_id.split("-", 1)[0]: i for i, request_id in enumerate(request_ids)}
-        with self._timed_engine_steps(on_finished, prompt_of) as steps:
+        # On CPU, Megatron's CUDA-redirecting mode would see every one of vLLM's small ops: not needed there.
+        with cpu_compat.redirect_suspended(), self._timed_engine_steps(on_finished, prompt_of) as steps:
             outputs = self._llm.wait_for_completion(RequestOutput, use_tqdm=False)
         seconds = time.perf_counter() - started
         scheduler = self.adaptive_scheduler()
