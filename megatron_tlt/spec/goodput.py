@@ -77,7 +77,9 @@ class GoodputDepthModel:
         self._positions = [_Drafts() for _ in range(max(self._depths))]  # engine-wide, per draft position
         self._requests: dict[str, _Drafts] = {}
         self._pulls = {k: 0 for k in self._depths}
+        self._in_window = collections.Counter()  # steps per depth in the window, kept as it slides
         self._cost: np.ndarray | None = None  # c0, c1, c2, c3
+        self._floor = 1e-6  # the fastest step in the window at the last fit: no prediction goes below it
         self._unfitted_steps = 0  # observed since the last fit
 
     # ------------------------------------------------------------------ what the engine reports
@@ -102,7 +104,10 @@ class GoodputDepthModel:
             raise ValueError(f"depth {depth} is not one of the arms {self._depths}.")
         if not (math.isfinite(seconds) and seconds > 0):
             return
+        if len(self._steps) == self._steps.maxlen:
+            self._in_window[self._steps[0][1]] -= 1
         self._steps.append((batch_size, depth, seconds))
+        self._in_window[depth] += 1
         for counts in (self._engine, *self._positions):
             counts.reached *= _GLOBAL_DECAY
             counts.accepted *= _GLOBAL_DECAY
@@ -126,10 +131,12 @@ class GoodputDepthModel:
 
     def request_acceptance(self, request_id: str) -> float:
         """How a request's drafts compare with the engine's: its acceptance / the engine's (1: as the engine)."""
+        return self._relative(request_id, self.engine_acceptance())
+
+    def _relative(self, request_id: str, prior: float) -> float:
         mine = self._requests.get(request_id)
         if mine is None:
             return 1.0
-        prior = self.engine_acceptance()
         return (mine.accepted + _PRIOR_POSITIONS * prior) / (mine.reached + _PRIOR_POSITIONS) / prior
 
     def choose(self, batch_size: int, live: Iterable[str] = ()) -> int:
@@ -139,14 +146,14 @@ class GoodputDepthModel:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         limit = self.settings.max_speculative_batch
         # Counted in the window: a depth whose steps have all left it is measured again (its line was extrapolated).
-        observed = collections.Counter(k for _, k, _ in self._steps)
-        untried = [k for k in self._depths if observed[k] < self.settings.min_observations]
+        untried = [k for k in self._depths if self._in_window[k] < self.settings.min_observations]
         if limit is not None and batch_size > limit:
             depth = 0
         elif untried:
             depth = untried[0]
         else:
-            depth = self.best_depth_for(batch_size, [self.request_acceptance(r) for r in live])
+            prior = self.engine_acceptance()
+            depth = self.best_depth_for(batch_size, [self._relative(r, prior) for r in live])
             if self._rng.random() < self.settings.epsilon:
                 i = self._depths.index(depth) + self._rng.choice((-1, 1))
                 depth = self._depths[min(max(i, 0), len(self._depths) - 1)]
@@ -178,11 +185,11 @@ class GoodputDepthModel:
         """The fitted time of a step (never below the fastest step observed, nor 0 before any)."""
         if self._cost is None or self._unfitted_steps >= _REFIT_EVERY:
             self._cost, self._unfitted_steps = self._fit(), 0
-        floor = min((s for _, _, s in self._steps), default=1e-6)
+            self._floor = min((s for _, _, s in self._steps), default=1e-6)
         if self._cost is None:
-            return floor
+            return self._floor
         c0, c1, c2, c3 = self._cost
-        return max(floor, float(c0 + c1 * batch_size + c2 * depth + c3 * batch_size * depth))
+        return max(self._floor, float(c0 + c1 * batch_size + c2 * depth + c3 * batch_size * depth))
 
     def _fit(self) -> np.ndarray | None:
         if len(self._steps) < 4:
@@ -236,6 +243,7 @@ class GoodputDepthModel:
         version, internal, gauss_next = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss_next))
         self._steps = collections.deque((tuple(s) for s in state["steps"]), maxlen=self.settings.window)
+        self._in_window = collections.Counter(k for _, k, _ in self._steps)
         self._engine = _Drafts(*state["engine"])
         self._positions = [_Drafts(*p) for p in state["positions"]]
         self._pulls = {int(k): v for k, v in state["pulls"].items()}
