@@ -481,7 +481,11 @@ class TrainerConfig:
     prompts_per_step: int = 16
     """Prompts per step over all data-parallel ranks."""
     micro_batch_size: int = 4
-    """Sequences per Megatron micro-batch in the log-prob and update passes."""
+    """Sequences per Megatron micro-batch in the log-prob and update passes (at most, with micro_batch_tokens)."""
+    micro_batch_tokens: int | None = None
+    """Also cap a micro-batch of those passes at this many padded tokens (at least one sequence each): the
+    length-sorted short answers of a long-tail batch then go many to a micro-batch and the tail few to one,
+    where a fixed count pads the one or splits the other into needless passes (VeRL's dynamic batch size)."""
     recompute: str = "none"
     """Activation recompute in the update: none, selective (core attention; pays with model.attention=local
     only) or full (every layer keeps only its input and runs its forward again in the backward)."""
@@ -512,6 +516,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _require_at_least_one("trainer", steps=self.steps, prompts_per_step=self.prompts_per_step,
                               micro_batch_size=self.micro_batch_size, updates_per_step=self.updates_per_step)
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ConfigError(f"trainer.micro_batch_tokens must be >= 1 or null, got {self.micro_batch_tokens}")
         if self.recompute not in RECOMPUTES:
             raise ConfigError(f"trainer.recompute must be one of {', '.join(RECOMPUTES)}, got '{self.recompute}'")
         for name in self.loggers:

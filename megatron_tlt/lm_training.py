@@ -56,15 +56,28 @@ def token_width(longest: int, input_multiple: int = 1) -> int:
 
 
 def length_sorted_chunks(items: Sequence[T], length: Callable[[T], int], micro_batch_size: int, *,
-                         same_width: bool, input_multiple: int = 1) -> list[tuple[list[T], int]]:
-    """``items`` sorted by ``length`` and cut into micro-batches of ``micro_batch_size``, each with the
+                         same_width: bool, input_multiple: int = 1,
+                         max_tokens: int | None = None) -> list[tuple[list[T], int]]:
+    """``items`` sorted by ``length`` and cut into micro-batches of at most ``micro_batch_size``, each with the
     width to pad it to (``token_width``): of its own longest item (little padding), or of the longest
-    overall when ``same_width`` (pipeline stages need one shape)."""
+    overall when ``same_width`` (pipeline stages need one shape). With ``max_tokens`` a micro-batch also
+    holds at most that many padded tokens (at least one item): the short answers of a long-tail batch go many
+    to a micro-batch, the tail few to one."""
     ordered = sorted(items, key=length)
-    chunks = [ordered[i : i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size)]
     longest = max((length(item) for item in ordered), default=0)
-    return [(chunk, token_width(longest if same_width else max(length(item) for item in chunk), input_multiple))
-            for chunk in chunks]
+
+    def width(chunk_longest: int) -> int:
+        return token_width(longest if same_width else chunk_longest, input_multiple)
+
+    chunks: list[list[T]] = []
+    for item in ordered:  # ascending: the item joining a chunk is its longest
+        chunk = chunks[-1] if chunks else None
+        if (chunk is None or len(chunk) == micro_batch_size
+                or (max_tokens is not None and (len(chunk) + 1) * width(length(item)) > max_tokens)):
+            chunks.append([item])
+        else:
+            chunk.append(item)
+    return [(chunk, width(max(length(item) for item in chunk))) for chunk in chunks]
 
 
 def check_microbatch_shapes(shapes: list[tuple[int, ...]], input_multiple: int = 1) -> None:

@@ -96,6 +96,7 @@ class _Session:
         sequences = [s for part in self.placement.leaders_only(gathered) for s in part]
         result = compute_logprobs(self.model, sequences, vocab_size=self.task.arch.vocab_size,
                                   micro_batch_size=self.config.trainer.micro_batch_size,
+                                  micro_batch_tokens=self.config.trainer.micro_batch_tokens,
                                   pad_id=self.task.tokenizer.pad_id, capture_hidden=True,
                                   max_feature_rows=self.trainer.buffer_tokens)
         # with PP > 1 the last stage shares the features, so every stage's ranks train the drafter

@@ -18,7 +18,7 @@ import torch
 
 from megatron_tlt import mcore
 from megatron_tlt.device import module_device, to_device
-from megatron_tlt.lm_training import token_width
+from megatron_tlt.lm_training import length_sorted_chunks, token_width
 
 
 @dataclasses.dataclass
@@ -124,7 +124,7 @@ def _feature_buffer(model: torch.nn.Module, rows: int) -> torch.Tensor:
 @torch.no_grad()
 def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], *, vocab_size: int,
                      micro_batch_size: int, pad_id: int = 0, capture_hidden: bool = False,
-                     max_feature_rows: int | None = None) -> LogProbResult:
+                     max_feature_rows: int | None = None, micro_batch_tokens: int | None = None) -> LogProbResult:
     """Log-probs of every next token (and optionally the drafter features) for ``sequences``.
 
     With ``capture_hidden`` the features of the newest sequences that fit ``max_feature_rows`` (None: all)
@@ -133,11 +133,13 @@ def compute_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
     """
     model.eval()
     # Length-sorted micro-batches pad little: a GRPO batch mixes short answers with the long tail.
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    index_batches = [order[p : p + micro_batch_size] for p in range(0, len(order), micro_batch_size)]
-    batches = [[sequences[i] for i in batch] for batch in index_batches]
     device = module_device(model)
     input_multiple = mcore.sequence_multiple(model)
+    index_batches = [chunk for chunk, _ in length_sorted_chunks(
+        range(len(sequences)), lambda i: len(sequences[i]), micro_batch_size, same_width=False,
+        input_multiple=input_multiple, max_tokens=micro_batch_tokens)]
+    order = [i for batch in index_batches for i in batch]  # the sequences in sorted order
+    batches = [[sequences[i] for i in batch] for batch in index_batches]
     padded = [pad_sequences(batch, pad_id, device=device, input_multiple=input_multiple) for batch in batches]
     capture = FeatureCapture(model, sequences, index_batches, max_feature_rows, enabled=capture_hidden)
     per_batch: list[torch.Tensor] = []

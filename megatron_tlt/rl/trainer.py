@@ -275,12 +275,13 @@ class RLTrainer:
                 # features are cut to what the drafter buffer keeps: a step's rollouts can be far larger
                 result = compute_logprobs(self.model, sequences, vocab_size=self.arch.vocab_size,
                                           micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
-                                          capture_hidden=self._wants_features(train_drafter),
+                                          micro_batch_tokens=t.micro_batch_tokens, capture_hidden=self._wants_features(train_drafter),
                                           max_feature_rows=self.config.drafter.buffer_tokens)
                 old, feature_rows = result.token_logprobs, self._keep_features(sequences, result, train_drafter)
             if self.reference is not None:
                 ref = compute_logprobs(self.reference, sequences, vocab_size=self.arch.vocab_size,
-                                       micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id).token_logprobs
+                                       micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                       micro_batch_tokens=t.micro_batch_tokens).token_logprobs
         return old, ref, feature_rows
 
     def _keep_features(self, sequences: list[list[int]], captured: CapturedFeatures, train_drafter: bool) -> int:
@@ -320,6 +321,7 @@ class RLTrainer:
                 # of equal rewards are left out of it).
                 result = policy_update_step(self.model, self.optimizer, mini, vocab_size=self.arch.vocab_size,
                                             micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                            micro_batch_tokens=t.micro_batch_tokens,
                                             settings=self.config.algorithm, capture_features=capture,
                                             max_feature_rows=self.config.drafter.buffer_tokens)
                 if capture:

@@ -88,11 +88,12 @@ def _pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
 
 
 def microbatch_order(sequences: Sequence[PolicySequence], micro_batch_size: int, *, same_width: bool,
-                     input_multiple: int = 1) -> list[tuple[list[int], int]]:
+                     input_multiple: int = 1, max_tokens: int | None = None) -> list[tuple[list[int], int]]:
     """Length-sorted micro-batches (little padding) as (indices into ``sequences``, width to pad to); ``same_width``
-    pads all to one length (PP > 1); widths follow ``token_width(.., input_multiple)``."""
+    pads all to one length (PP > 1); widths follow ``token_width(.., input_multiple)``; ``max_tokens`` caps the
+    padded tokens of one (``trainer.micro_batch_tokens``)."""
     return length_sorted_chunks(range(len(sequences)), lambda i: len(sequences[i].token_ids), micro_batch_size,
-                                same_width=same_width, input_multiple=input_multiple)
+                                same_width=same_width, input_multiple=input_multiple, max_tokens=max_tokens)
 
 
 def make_microbatches(sequences: Sequence[PolicySequence], micro_batch_size: int, pad_id: int, *,
@@ -157,7 +158,7 @@ class UpdateResult:
 
 def policy_update_step(model: torch.nn.Module, optimizer, sequences: Sequence[PolicySequence], *, vocab_size: int,
                        micro_batch_size: int, pad_id: int, settings: AlgorithmConfig, capture_features: bool = False,
-                       max_feature_rows: int | None = None) -> UpdateResult:
+                       max_feature_rows: int | None = None, micro_batch_tokens: int | None = None) -> UpdateResult:
     """One optimizer step on this rank's share of a mini-batch (collective over all ranks).
 
     Every rank must call it, also with no sequences of its own (e.g. all its groups were filtered):
@@ -174,7 +175,8 @@ def policy_update_step(model: torch.nn.Module, optimizer, sequences: Sequence[Po
     same_width = mcore.stage_info().pp_size > 1
     device = module_device(model)
     input_multiple = mcore.sequence_multiple(model)
-    order = microbatch_order(sequences, micro_batch_size, same_width=same_width, input_multiple=input_multiple)
+    order = microbatch_order(sequences, micro_batch_size, same_width=same_width, input_multiple=input_multiple,
+                             max_tokens=micro_batch_tokens)
     if sequences:
         microbatches = [make_microbatch([sequences[i] for i in chunk], pad_id, width, device=device)
                         for chunk, width in order]
