@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+CONFIG = "tiny"  # tlt train's default config, which the job below runs
 PHASES = ("rollout_seconds", "reward_seconds", "logprob_seconds", "update_seconds", "sync_seconds")
 
 
@@ -31,7 +32,7 @@ def drafter_cost_share(overrides: list[str]) -> tuple[float, int, int]:
     from megatron_tlt.plan_model import count_parameters, drafter_parameters
     from megatron_tlt.rl.task import load_task
 
-    arch = load_task(load_config(None, overrides)).arch
+    arch = load_task(load_config(CONFIG, overrides)).arch  # the config `tlt train` runs below
     # A token's matmul FLOPs are 2 x the weights it passes through: the embedding is a lookup, not a matmul
     # (an untied one is left out; a tied one is the LM head, which both models run once per token).
     lm_head = arch.vocab_size * arch.hidden_size
@@ -52,7 +53,7 @@ def main() -> None:
           f"drafter {drafter_params / 1e6:.2f}M parameters)  [target <= 1/8]")
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        subprocess.run(["tlt", "train", f"trainer.run_dir={run_dir}", f"trainer.steps={args.steps}",
+        subprocess.run(["tlt", "train", "--config", CONFIG, f"trainer.run_dir={run_dir}", f"trainer.steps={args.steps}",
                         "trainer.eval_every=0", "trainer.save_every=0", "drafter.speculative_tokens=0",
                         "drafter.spot_training=false", *args.overrides],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
