@@ -6,6 +6,8 @@ moment; each launch hands its own environment over.
 
 import os
 
+import pytest
+
 from megatron_tlt.launcher import run_on_ranks
 
 
@@ -27,3 +29,22 @@ def test_each_launch_hands_its_environment_to_fresh_ranks(monkeypatch):
     assert all(second[r]["TLT_TEST_LAUNCH"] == "second" and second[r]["TLT_TEST_DROPPED"] is None for r in (0, 1))
     pids = {result["pid"] for result in (*first.values(), *second.values())}
     assert len(pids) == 4 and os.getpid() not in pids  # four fresh processes, none of them this one
+
+
+def _cores_of_rank_and_its_threads() -> dict:
+    import threading
+
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.update(thread=os.sched_getaffinity(0)))
+    thread.start()
+    thread.join()
+    return {"rank": sorted(os.sched_getaffinity(0)), "new_thread": sorted(seen["thread"])}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to give each of 2 ranks its own")
+def test_cpu_ranks_are_pinned_to_cores_of_their_own_with_the_threads_they_start():
+    cores = sorted(os.sched_getaffinity(0))
+    got = run_on_ranks(_cores_of_rank_and_its_threads, 2)
+    share = len(cores) // 2
+    for rank in (0, 1):
+        assert got[rank]["rank"] == got[rank]["new_thread"] == cores[rank * share:(rank + 1) * share], got
