@@ -77,7 +77,7 @@ def length_sorted_chunks(items: Sequence[T], length: Callable[[T], int], micro_b
             chunks.append([item])
         else:
             chunk.append(item)
-    return [(chunk, width(max(length(item) for item in chunk))) for chunk in chunks]
+    return [(chunk, width(length(chunk[-1]))) for chunk in chunks]
 
 
 def check_microbatch_shapes(shapes: list[tuple[int, ...]], input_multiple: int = 1) -> None:

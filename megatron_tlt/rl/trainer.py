@@ -275,7 +275,8 @@ class RLTrainer:
                 # features are cut to what the drafter buffer keeps: a step's rollouts can be far larger
                 result = compute_logprobs(self.model, sequences, vocab_size=self.arch.vocab_size,
                                           micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
-                                          micro_batch_tokens=t.micro_batch_tokens, capture_hidden=self._wants_features(train_drafter),
+                                          micro_batch_tokens=t.micro_batch_tokens,
+                                          capture_hidden=self._wants_features(train_drafter),
                                           max_feature_rows=self.config.drafter.buffer_tokens)
                 old, feature_rows = result.token_logprobs, self._keep_features(sequences, result, train_drafter)
             if self.reference is not None:

@@ -197,15 +197,10 @@ class GoodputDepthModel:
         rows = np.array(self._steps, dtype=np.float64)
         b, k, t = rows[:, 0], rows[:, 1], rows[:, 2]
         design = np.stack([np.ones_like(b), b, k, b * k], axis=1)
-        keep = np.ones(len(t), dtype=bool)
-        for _ in range(2):  # fit, drop the outliers, fit again
-            coef = np.linalg.lstsq(design[keep], t[keep], rcond=None)[0]
-            residual = t - design @ coef
-            spread = np.median(np.abs(residual[keep])) * 1.4826 + 1e-9
-            keep = np.abs(residual) <= _OUTLIER_MADS * spread
-            if keep.sum() < 4:
-                break
-        return coef
+        coef = np.linalg.lstsq(design, t, rcond=None)[0]
+        residual = np.abs(t - design @ coef)
+        keep = residual <= _OUTLIER_MADS * (np.median(residual) * 1.4826 + 1e-9)  # drop the outliers, fit again
+        return np.linalg.lstsq(design[keep], t[keep], rcond=None)[0] if keep.sum() >= 4 else coef
 
     # ------------------------------------------------------------------ reports and state
 
@@ -213,10 +208,10 @@ class GoodputDepthModel:
         """Per bucket label (as BEG-MAB's): the depth chosen at the bucket's largest batch with the engine's rate,
         pulls per depth (over all buckets) and the predicted tokens/s per depth."""
         out = {}
-        for bucket in range(self._buckets.num_buckets):
-            bounds = self._buckets._bounds
+        bounds = self.settings.bucket_bounds
+        ready = self._cost is not None or len(self._steps) >= 4
+        for bucket in range(len(bounds) + 1):
             batch = bounds[bucket] if bucket < len(bounds) else bounds[-1] + 1
-            ready = self._cost is not None or len(self._steps) >= 4
             out[self._buckets.bucket_label(bucket)] = {
                 "best": self.best_depth_for(batch, []) if ready else None,
                 "pulls": {str(k): v for k, v in self._pulls.items()},
