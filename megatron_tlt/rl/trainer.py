@@ -441,7 +441,7 @@ class RLTrainer:
                 if outcome is not None and metrics:
                     outcome[0].update(metrics)
             if self.reporter is not None:
-                self.reporter.log_step(*outcome)
+                self.reporter.log_step(*outcome, refresh_views=self._due(t.save_every, done))
             if self._due(t.save_every, done):
                 self._save(done)
         if self.reward_pool is not None:
@@ -457,6 +457,8 @@ class RLTrainer:
             atomic_files.write_text_atomic(self.run_dir / run_files.EVAL_BEFORE_RL_FILE, json.dumps(metrics, indent=1))
 
     def close(self) -> None:
+        if self.reporter is not None:
+            self.reporter.refresh_views()  # after an error too: the trace and PNG show the last step logged
         if self.reward_pool is not None:
             self.reward_pool.close(collective=False)  # after an error; a finished run closed it collectively
         if self.drafter is not None:

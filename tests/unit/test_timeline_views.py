@@ -78,6 +78,25 @@ def test_every_step_leaves_a_trace_that_parses_and_holds_every_span_of_timeline_
     assert not list(tmp_path.glob(".*"))  # no staging file left behind
 
 
+def test_views_left_for_a_checkpoint_are_brought_up_to_date_by_the_next_one_or_by_close(tmp_path):
+    """The trainer refreshes the trace and PNG at checkpoints only (rank 0 draws while the others wait)."""
+    reporter = _reporter(tmp_path)
+    run = synthetic_run(3, ranks=2)
+    reporter.log_step(_record(1), run[0], refresh_views=True)
+    reporter.log_step(_record(2), run[1], refresh_views=False)
+    trace = json.loads((tmp_path / run_files.TRACE_FILE).read_text())
+    assert {e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X"} == {1}  # step 2 not drawn yet
+    assert len(run_files.read_timeline(tmp_path)) == len(run[0]) + len(run[1])  # but on disk in timeline.jsonl
+    reporter.log_step(_record(3), run[2], refresh_views=False)
+    reporter.close()
+    assert_trace_holds_exactly(json.loads((tmp_path / run_files.TRACE_FILE).read_text()),
+                               run_files.read_timeline(tmp_path))
+    from matplotlib.image import imread
+
+    plot_step_timeline(run[-1], tmp_path / "alone.png")
+    assert (imread(tmp_path / "alone.png") == imread(tmp_path / run_files.TIMELINE_PLOT_FILE)).all()
+
+
 def test_spans_that_meet_in_the_records_meet_in_the_trace_and_never_overlap_on_a_track():
     from megatron_tlt.timeline_trace import chrome_trace
 
