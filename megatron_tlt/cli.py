@@ -73,7 +73,8 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--depths must be comma-separated integers, got '{args.depths}'") from None
     settings = RolloutBenchSettings(prompts=args.prompts, depths=depths, rounds=args.rounds, sampled=args.sampled,
-                                    bandit_warmup_rollouts=args.bandit_warmup, rotate_prompts=not args.same_prompts)
+                                    bandit_warmup_rollouts=args.bandit_warmup, rotate_prompts=not args.same_prompts,
+                                    as_a_rank=args.as_a_rank)
     figures = start_rollout_bench(args.config, args.overrides, policy=args.policy, drafter=args.drafter,
                                   settings=settings)
     print(format_figures(figures))
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="untimed BEG-MAB rollouts before the timed rounds (it learns across rollouts)")
     rollout.add_argument("--same-prompts", action="store_true",
                          help="run every rollout on the same prompts (default: each takes new held-out prompts)")
+    rollout.add_argument("--all-cores", dest="as_a_rank", action="store_false",
+                         help="let the engines use every core (default: the cores and threads one rank of the "
+                              "config's run gets, as the launcher pins them on CPU)")
     rollout.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     rollout.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. speculation.epsilon=0.2")
     rollout.set_defaults(func=_cmd_bench_rollout)

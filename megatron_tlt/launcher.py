@@ -111,7 +111,7 @@ def _threads_per_rank(nprocs: int) -> int:
     return max(1, (os.cpu_count() or 1) // nprocs)
 
 
-def _pin_to_own_cores(threads: int) -> None:
+def _pin_to_own_cores(threads: int, local: int | None = None, ranks: int | None = None) -> None:
     """On CPU, keep this rank on cores of its own (local rank r: the r-th ``threads`` of the allowed ones), with
     every thread it starts from here on (they inherit the affinity). Unpinned, the OS moves the ranks' threads
     (theirs, gloo's) across the cores: drafter training on an idle rank slowed another rank's rollout by ~10%
@@ -121,10 +121,22 @@ def _pin_to_own_cores(threads: int) -> None:
     if cpu_compat.cuda_available() or not hasattr(os, "sched_setaffinity"):
         return
     cores = sorted(os.sched_getaffinity(0))
-    local, ranks = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0)) if local is None else local
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if ranks is None else ranks
     if ranks < 2 or ranks * threads > len(cores):
         return
     os.sched_setaffinity(0, cores[local * threads:(local + 1) * threads])
+
+
+def run_like_rank_zero_of(nprocs: int) -> None:
+    """Give this process the threads and cores that local rank 0 of an ``nprocs``-rank launch gets: a benchmark
+    of one engine then measures it as a rank of that run drives it (on 2 cores, one core and one thread each;
+    with both cores, the plain engine's matmuls spread over them and speculation's serial draft passes do not)."""
+    import torch
+
+    threads = _threads_per_rank(nprocs)
+    torch.set_num_threads(threads)
+    _pin_to_own_cores(threads, local=0, ranks=nprocs)
 
 
 def _run_rank(fn: Callable, threads: int, logs: RankLogSettings, environment: dict[str, str], args: tuple) -> Any:

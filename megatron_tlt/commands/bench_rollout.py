@@ -53,6 +53,9 @@ class RolloutBenchSettings:
     bandit_warmup_rollouts: int = 10
     """Untimed BEG-MAB rollouts before the timed rounds: in an RL run the bandit learns over hundreds of
     rollouts (its state is kept from step to step); one rollout here has only ~60 engine steps."""
+    as_a_rank: bool = True
+    """Run with the cores and threads one rank of the config's run gets (on 2 cores with 2 ranks: one core and
+    one thread, as the launcher pins them), not every core: what an engine does in the RL loop."""
 
     @property
     def rollouts(self) -> int:

@@ -126,8 +126,11 @@ def start_drafter_warmup(config_name: str | None, overrides: list[str], *, polic
 
 
 def _bench_rollout_on_rank(config, policy_dir, drafter_dir: str, settings):
+    from megatron_tlt import launcher
     from megatron_tlt.commands.bench_rollout import bench_on_rank  # imported in the rank: Megatron, vLLM
 
+    if settings.as_a_rank:
+        launcher.run_like_rank_zero_of(world_size(config))
     return bench_on_rank(config, policy_dir, drafter_dir, settings)
 
 

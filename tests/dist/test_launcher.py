@@ -48,3 +48,23 @@ def test_cpu_ranks_are_pinned_to_cores_of_their_own_with_the_threads_they_start(
     share = len(cores) // 2
     for rank in (0, 1):
         assert got[rank]["rank"] == got[rank]["new_thread"] == cores[rank * share:(rank + 1) * share], got
+
+
+def _cores_and_threads_like_rank_zero_of(nprocs: int) -> dict:
+    import torch
+
+    from megatron_tlt.launcher import run_like_rank_zero_of
+
+    run_like_rank_zero_of(nprocs)
+    return {"cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to give each of 2 ranks its own")
+def test_a_one_rank_benchmark_gets_the_cores_and_threads_of_rank_zero_of_the_run_it_stands_for():
+    """`tlt bench rollout` runs one engine as a rank of the config's 2-rank run drives it, not on every core."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // 2
+    got = run_on_ranks(_cores_and_threads_like_rank_zero_of, 1, 2, isolated=True)[0]
+    assert got == {"cores": cores[:share], "threads": share}
+    alone = run_on_ranks(_cores_and_threads_like_rank_zero_of, 1, 1, isolated=True)[0]  # a 1-rank run: every core
+    assert alone == {"cores": cores, "threads": len(cores)}
