@@ -72,9 +72,16 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
         depths = tuple(int(k) for k in args.depths.split(","))
     except ValueError:
         raise ValueError(f"--depths must be comma-separated integers, got '{args.depths}'") from None
+    table = None
+    if args.vllm_table is not None:
+        from megatron_tlt.spec.depth_table import parse_table
+
+        table = parse_table(args.vllm_table)
+        if max(depth for _, _, depth in table) > max(depths):
+            raise ValueError(f"--vllm-table {args.vllm_table}: a depth above the deepest of --depths ({max(depths)})")
     settings = RolloutBenchSettings(prompts=args.prompts, depths=depths, rounds=args.rounds, sampled=args.sampled,
                                     bandit_warmup_rollouts=args.bandit_warmup, rotate_prompts=not args.same_prompts,
-                                    as_a_rank=args.as_a_rank)
+                                    as_a_rank=args.as_a_rank, vllm_table=table)
     figures = start_rollout_bench(args.config, args.overrides, policy=args.policy, drafter=args.drafter,
                                   settings=settings)
     print(format_figures(figures))
@@ -163,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="untimed BEG-MAB rollouts before the timed rounds (it learns across rollouts)")
     rollout.add_argument("--same-prompts", action="store_true",
                          help="run every rollout on the same prompts (default: each takes new held-out prompts)")
+    rollout.add_argument("--vllm-table", default=None, metavar="FIRST-LAST:K,...",
+                         help="vLLM's static per-batch-size depths to race, e.g. 1-21:4,22-256:2 (default: per "
+                              "bucket, the fastest depth of the untimed first round)")
     rollout.add_argument("--all-cores", dest="as_a_rank", action="store_false",
                          help="let the engines use every core (default: the cores and threads one rank of the "
                               "config's run gets, as the launcher pins them on CPU)")

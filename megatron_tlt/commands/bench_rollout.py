@@ -35,6 +35,8 @@ NO_SPECULATION = "no speculation"
 BANDIT = "BEG-MAB"
 GOODPUT = "goodput"
 ADAPTIVE = (BANDIT, GOODPUT)
+VLLM_TABLE = "vLLM table"
+"""vLLM's static per-batch-size depths (``num_speculative_tokens_per_batch_size``), written from the sweep."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,6 +55,9 @@ class RolloutBenchSettings:
     bandit_warmup_rollouts: int = 10
     """Untimed BEG-MAB rollouts before the timed rounds: in an RL run the bandit learns over hundreds of
     rollouts (its state is kept from step to step); one rollout here has only ~60 engine steps."""
+    vllm_table: list[tuple[int, int, int]] | None = None
+    """The static table to race (first batch, last batch, depth); None: written per bucket from the fixed
+    depths' untimed first round (``spec/depth_table.py``), as a user would from a sweep."""
     as_a_rank: bool = True
     """Run with the cores and threads one rank of the config's run gets (on 2 cores with 2 ranks: one core and
     one thread, as the launcher pins them), not every core: what an engine does in the RL loop."""
@@ -122,9 +127,10 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
             policies = {BANDIT: speculative.adaptive_scheduler().bandit,
                         GOODPUT: depth_policy_for(dataclasses.replace(bandit, policy=GOODPUT),
                                                   max(settings.depths), config.trainer.seed)}
-            modes = [NO_SPECULATION, *(f"K={k}" for k in settings.depths), *ADAPTIVE]
+            modes = [NO_SPECULATION, *(f"K={k}" for k in settings.depths), VLLM_TABLE, *ADAPTIVE]
             runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
             summaries = {}
+            table = settings.vllm_table
             for round_index in range(-1, settings.rounds):  # round -1: untimed warm-up
                 if round_index == 0:
                     cold = {m: runs[m].pop() for m in ADAPTIVE}
@@ -139,6 +145,14 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
                     if mode == NO_SPECULATION:
                         runs[mode].append(_run(plain, prompts, rollout))
                         continue
+                    if mode == VLLM_TABLE:
+                        if table is None:  # from the untimed round only: the timed rounds stay unseen
+                            table = _sweep_table(runs, bandit.bucket_bounds, session.engine_config.max_num_seqs)
+                        speculative.pin_speculation_depth(None)
+                        speculative.pin_speculation_table(table)
+                        runs[mode].append(_run(speculative, prompts, rollout))
+                        speculative.pin_speculation_table(None)
+                        continue
                     if mode in ADAPTIVE:
                         speculative.swap_depth_policy(policies[mode])
                     speculative.pin_speculation_depth(None if mode in ADAPTIVE else int(mode[2:]))
@@ -148,6 +162,7 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
                 logger.info("round %d of %d done", round_index + 1, settings.rounds)
             figures = _figures(runs, summaries[BANDIT], settings.prompts, sampled=settings.sampled)
             figures["goodput"] = summaries[GOODPUT]
+            figures["vllm_table"] = [list(entry) for entry in table]
             figures["seconds_by_bucket"] = _seconds_by_bucket(runs, bandit)
             base = statistics.fmean(r.seconds for r in runs[NO_SPECULATION])
             figures["bandit_cold_first_rollout_speedup"] = base / cold[BANDIT].seconds
@@ -155,6 +170,16 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
             return figures
         finally:
             session.close()
+
+
+def _sweep_table(runs: dict[str, list[ModeRun]], bucket_bounds, max_batch: int):
+    """vLLM's static table from the last run of no speculation (depth 0) and of each fixed depth."""
+    from megatron_tlt.spec.depth_table import DepthSweepRun, table_from_sweep
+
+    sweep = {0 if mode == NO_SPECULATION else int(mode[2:]): DepthSweepRun(
+        mode_runs[-1].step_batch_sizes, mode_runs[-1].step_seconds, mode_runs[-1].acceptance_length)
+        for mode, mode_runs in runs.items() if (mode == NO_SPECULATION or mode.startswith("K=")) and mode_runs}
+    return table_from_sweep(sweep, bucket_bounds, max_batch)
 
 
 def _prompt_sets(pool: list, size: int, rotate: bool) -> Iterator[list]:
@@ -199,11 +224,16 @@ def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: 
     # Paired by round. The best fixed depth is picked on all rounds, which favours it slightly.
     by_round, error = _paired_ratios(runs[best_fixed], runs[BANDIT])
     adaptive = {}
+    if VLLM_TABLE in runs:
+        table_by_round, table_error = _paired_ratios(runs[best_fixed], runs[VLLM_TABLE])
+        adaptive.update({"vllm_table_over_best_fixed": modes[VLLM_TABLE]["speedup"] / modes[best_fixed]["speedup"],
+                         "vllm_table_over_best_fixed_by_round": table_by_round,
+                         "vllm_table_over_best_fixed_standard_error": table_error})
     if GOODPUT in runs:
         goodput_by_round, goodput_error = _paired_ratios(runs[best_fixed], runs[GOODPUT])
-        adaptive = {"goodput_over_best_fixed": modes[GOODPUT]["speedup"] / modes[best_fixed]["speedup"],
-                    "goodput_over_best_fixed_by_round": goodput_by_round,
-                    "goodput_over_best_fixed_standard_error": goodput_error}
+        adaptive.update({"goodput_over_best_fixed": modes[GOODPUT]["speedup"] / modes[best_fixed]["speedup"],
+                         "goodput_over_best_fixed_by_round": goodput_by_round,
+                         "goodput_over_best_fixed_standard_error": goodput_error})
     return {"prompts": num_prompts, "rounds": len(base), "sampled": sampled, "modes": modes, "best_fixed": best_fixed,
             "bandit_over_best_fixed": modes[BANDIT]["speedup"] / modes[best_fixed]["speedup"],
             "bandit_over_best_fixed_by_round": by_round,
@@ -251,6 +281,13 @@ def format_figures(figures: dict) -> str:
         lines.append(f"goodput / best fixed ({figures['best_fixed']}): {figures['goodput_over_best_fixed']:.3f}; per round "
                      + ", ".join(f"{r:.3f}" for r in figures["goodput_over_best_fixed_by_round"])
                      + f" (standard error of their mean {figures['goodput_over_best_fixed_standard_error']:.3f})")
+    if "vllm_table_over_best_fixed" in figures:
+        from megatron_tlt.spec.depth_table import format_table
+
+        table = format_table([tuple(entry) for entry in figures.get("vllm_table", [])])
+        lines.append(f"vLLM table ({table}) / best fixed: {figures['vllm_table_over_best_fixed']:.3f}; per round "
+                     + ", ".join(f"{r:.3f}" for r in figures["vllm_table_over_best_fixed_by_round"])
+                     + f" (standard error of their mean {figures['vllm_table_over_best_fixed_standard_error']:.3f})")
     lines.append(f"BEG-MAB's first rollout, before it had tried its arms (untimed): "
                  f"{figures['bandit_cold_first_rollout_speedup']:.2f}x")
     if "goodput_cold_first_rollout_speedup" in figures:

@@ -29,6 +29,7 @@ import time
 
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
 from megatron_tlt.config import SpeculationConfig
 from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
@@ -76,6 +77,8 @@ class AdaptiveSpeculationScheduler(Scheduler):
         """The depth policy: BEG-MAB or the goodput model (``speculation.policy``)."""
         self.pinned_depth: int | None = None
         """A fixed depth for every step instead of the bandit's choice (benchmarks); None: the bandit."""
+        self.pinned_lookup: list[int] | None = None
+        """Depth by batch size from a pinned vLLM table (``pin_depth_table``); None: not pinned."""
         self.step_log: list[tuple[int, int]] = []
         """(batch size, depth) of every step since the engine last drained it."""
         self._in_flight: _StepInFlight | None = None
@@ -89,6 +92,24 @@ class AdaptiveSpeculationScheduler(Scheduler):
         if depth is not None and not 0 <= depth <= self.num_spec_tokens:
             raise ValueError(f"depth {depth} outside 0..{self.num_spec_tokens} (the engine's maximum)")
         self.pinned_depth = depth
+
+    def pin_depth_table(self, table: list[tuple[int, int, int]] | None) -> None:
+        """Run each step at the depth that a ``num_speculative_tokens_per_batch_size`` table gives its batch size
+        (first batch, last batch, depth), expanded by vLLM's own function as its stock scheduler expands the
+        configured table: vLLM's static per-batch-size speculation, as a baseline. None: back to the policy."""
+        if table is None:
+            self.pinned_lookup = None
+            return
+        if not all(0 <= depth <= self.num_spec_tokens for _, _, depth in table):
+            raise ValueError(f"table {table}: depths must lie in 0..{self.num_spec_tokens} (the engine's maximum)")
+        self.pinned_lookup = build_dynamic_sd_schedule_lookup(
+            [list(entry) for entry in table], vllm_max_batch_size=self.scheduler_config.max_num_seqs,
+            vllm_num_speculative_tokens=max(self.num_spec_tokens, 1))
+
+    @property
+    def pinned(self) -> bool:
+        """Whether a benchmark fixed the depths (the policy then neither chooses nor learns)."""
+        return self.pinned_depth is not None or self.pinned_lookup is not None
 
     def schedule(self, *args, **kwargs):
         started = self.clock()
@@ -113,6 +134,8 @@ class AdaptiveSpeculationScheduler(Scheduler):
     def _depth_for(self, batch_size: int, live: list[str]) -> int:
         if self.pinned_depth is not None:  # pinned alike on every rank by the caller
             return self.pinned_depth
+        if self.pinned_lookup is not None:
+            return self.pinned_lookup[min(batch_size, len(self.pinned_lookup) - 1)]
         tp_group = get_tp_group()
         if tp_group.world_size == 1:
             return self._bandit_depth(batch_size, live)
@@ -137,7 +160,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
         self._observe_drafts(scheduler_output, model_runner_output)
         clean = step.decode_only and step.depth == self._previous_depth
         # pinned steps are not the bandit's choices: they would skew its pull counts
-        if clean and self.pinned_depth is None and self.get_num_unfinished_requests() > 0:
+        if clean and not self.pinned and self.get_num_unfinished_requests() > 0:
             tokens = sum(len(ids) for ids in model_runner_output.sampled_token_ids or ())
             self._unclocked = (step.batch_size, step.depth, tokens, step.started)
         self._previous_depth = step.depth

@@ -73,6 +73,14 @@ def _adaptive_engine_on_rank(workdir: str):
             engine.pin_speculation_depth(1)
             out["pinned_depths"] = engine.generate(PROMPTS, greedy).step_depths
             engine.pin_speculation_depth(None)
+            engine.pin_speculation_table([(1, 3, 3), (4, 6, 0), (7, 256, 2)])
+            out["table_steps"], out["table_greedy"] = [], []
+            for count in (7, 5, 2):  # a batch size in each range of the table
+                tabled = engine.generate(PROMPTS[:count], greedy)
+                out["table_steps"] += list(zip(tabled.step_batch_sizes, tabled.step_depths))
+                out["table_greedy"].append([r[0] for r in tabled.token_ids])
+            engine.pin_speculation_table(None)
+            out["table_summary_unchanged"] = engine.bandit_summary() == out["good_summary"]
             out["samples"] = np.array(engine.generate(
                 [PROMPT], SamplingSettings(n=NUM_SAMPLES, temperature=1.0, max_tokens=4)).token_ids[0])
             engine.load_drafter(fixture["bad_drafter"])
@@ -163,6 +171,17 @@ def test_sampling_with_per_step_depths_matches_the_targets_distribution(adaptive
 
 def test_a_pinned_depth_runs_every_step_at_it(adaptive):
     assert set(adaptive["pinned_depths"]) == {1}
+
+
+def test_a_pinned_vllm_table_runs_each_step_at_the_depth_of_its_batch_size_and_teaches_the_bandit_nothing(adaptive):
+    """vLLM's static per-batch-size depths, the adaptive policies' rival in ``tlt bench rollout``."""
+    steps = adaptive["table_steps"]
+    assert {b for b, _ in steps} == {7, 5, 2}, steps
+    for batch, depth in steps:
+        assert depth == (3 if batch <= 3 else 0 if batch <= 6 else 2), steps
+    for count, greedy in zip((7, 5, 2), adaptive["table_greedy"]):  # lossless whatever the depth
+        assert greedy == adaptive["greedy"][:count]
+    assert adaptive["table_summary_unchanged"]
 
 
 def test_bandit_state_saved_and_loaded_restores_what_it_had_learned(adaptive):
