@@ -457,8 +457,11 @@ class RLTrainer:
             atomic_files.write_text_atomic(self.run_dir / run_files.EVAL_BEFORE_RL_FILE, json.dumps(metrics, indent=1))
 
     def close(self) -> None:
-        if self.reporter is not None:
-            self.reporter.refresh_views()  # after an error too: the trace and PNG show the last step logged
+        if self.reporter is not None:  # after an error too: the trace and PNG show the last step logged
+            try:
+                self.reporter.refresh_views()
+            except Exception:  # a view must not hide the error that ended the run, nor stop the cleanup
+                logger.exception("could not redraw the timeline views (timeline.jsonl holds every span)")
         if self.reward_pool is not None:
             self.reward_pool.close(collective=False)  # after an error; a finished run closed it collectively
         if self.drafter is not None:
