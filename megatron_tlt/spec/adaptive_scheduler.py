@@ -102,9 +102,12 @@ class AdaptiveSpeculationScheduler(Scheduler):
             return
         if not all(0 <= depth <= self.num_spec_tokens for _, _, depth in table):
             raise ValueError(f"table {table}: depths must lie in 0..{self.num_spec_tokens} (the engine's maximum)")
-        self.pinned_lookup = build_dynamic_sd_schedule_lookup(
+        lookup = build_dynamic_sd_schedule_lookup(
             [list(entry) for entry in table], vllm_max_batch_size=self.scheduler_config.max_num_seqs,
             vllm_num_speculative_tokens=max(self.num_spec_tokens, 1))
+        # never deeper than the engine's own table: above speculation.max_speculative_batch it gives 0 and
+        # no speculative shapes (CUDA graphs) exist there
+        self.pinned_lookup = [min(depth, allowed) for depth, allowed in zip(lookup, self.dynamic_sd_lookup)]
 
     @property
     def pinned(self) -> bool:
