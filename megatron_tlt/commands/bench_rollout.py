@@ -1,8 +1,10 @@
 """``tlt bench rollout``: the long-tail rollout of the tiny default, without and with speculation, in one process.
 
 Two engines hold the same policy side by side: one without speculation (the baseline), one with an EAGLE
-drafter and the BEG-MAB scheduler, run either at a pinned depth K (fixed-K speculation) or with the bandit
-choosing each step's depth. Every round runs every mode once on the same prompts, so the modes share the
+drafter and the BEG-MAB scheduler, run either at a pinned depth K (fixed-K speculation), at the depths of a
+pinned vLLM per-batch-size table (vLLM's own static rival, written per bucket from the untimed round's sweep),
+or with a depth policy (BEG-MAB, goodput) choosing each step's depth. The process runs on the cores and
+threads one rank of the config's run gets, as the RL loop's engines do. Every round runs every mode once on the same prompts, so the modes share the
 machine's slow and quiet spells. Greedy (the default), their outputs must be identical token for token
 (speculation is lossless). ``--sampled`` samples as the RL rollout does (``rollout.samples_per_prompt``
 responses per prompt at ``rollout.temperature``): outputs then differ between modes draw by draw, and
