@@ -52,7 +52,8 @@ class RolloutBenchSettings:
     """Each rollout takes the next ``prompts`` of the held-out pool (cycling); False: every rollout runs the
     pool's first ``prompts``."""
     depths: tuple[int, ...] = (1, 2, 3, 4)
-    """Fixed depths to compare; the bandit chooses among 0 and these."""
+    """Fixed depths to compare; the bandit chooses among 0 and these. 0 here runs the speculating engine with
+    drafting off, beside the plain engine of "no speculation"."""
     rounds: int = 3
     bandit_warmup_rollouts: int = 10
     """Untimed BEG-MAB rollouts before the timed rounds: in an RL run the bandit learns over hundreds of
@@ -105,7 +106,9 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
     from megatron_tlt.spec.adaptive_scheduler import depth_policy_for
     from megatron_tlt.spec.engine import SpeculativeSettings
 
-    bandit = dataclasses.replace(config.speculation, adaptive=True, depths=[0, *settings.depths], policy="bandit")
+    # K=0 among --depths is the speculating engine with drafting off: what it costs beside the plain engine
+    bandit = dataclasses.replace(config.speculation, adaptive=True, depths=sorted({0, *settings.depths}),
+                                 policy="bandit")
     speculation = SpeculativeSettings(num_speculative_tokens=max(settings.depths), adaptive=bandit,
                                       seed=config.trainer.seed)
     with ParallelLayout(seed=config.trainer.seed), tempfile.TemporaryDirectory(prefix="tlt-bench-rollout-") as workdir:

@@ -187,8 +187,10 @@ def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy
     from megatron_tlt.rl.checkpoint_paths import resolve_policy_dir
 
     config = load_config(config_name, overrides)
-    if settings.prompts < 1 or settings.rounds < 1 or not settings.depths or min(settings.depths) < 1:
-        raise ValueError("--prompts and --rounds must be >= 1 and --depths a list of depths >= 1")
+    if settings.prompts < 1 or settings.rounds < 1 or not settings.depths or min(settings.depths) < 0 \
+            or max(settings.depths) < 1 or len(set(settings.depths)) != len(settings.depths):
+        raise ValueError("--prompts and --rounds must be >= 1 and --depths a list of distinct depths >= 0, one of "
+                         "them >= 1")
     if config.data.path is None and settings.rotate_prompts:
         # Enough held-out problems that no rollout of the bench repeats another's prompts.
         config.data.held_out_prompts = max(config.data.held_out_prompts, settings.prompts * settings.rollouts)

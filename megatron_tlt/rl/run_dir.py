@@ -140,6 +140,8 @@ def tlt_line(record: dict) -> str | None:
     if "spec/mean_acceptance_length" in record:
         parts.append(f"acceptance length {record['spec/mean_acceptance_length']:.2f} "
                      f"({100 * record['spec/acceptance_rate']:.0f}% of draft tokens)")
+    if "spec/rollout_speedup_vs_depth0" in record:
+        parts.append(f"rollout ~{record['spec/rollout_speedup_vs_depth0']:.2f}x its speed at depth 0 (estimated)")
     if "drafter/loss" in record:
         idle = sum(record["rollout_idle_seconds"])
         trained = sum(record["rollout_training_seconds"]) / idle if idle > 0 else 0.0

@@ -54,6 +54,9 @@ class RankStepReport:
     """Whether the step's rollout or that probe raised the collapse alarm (leader only)."""
     reward_pool: RewardPoolReport | None = None
     """With data.reward_workers, from the ranks that scored on a pool."""
+    speedup_estimate: float | None = None
+    """The engine's estimate of its rollout's time at depth 0 over the time it took (``spec/speedup_estimate.py``;
+    leader only, None where it had none)."""
 
 
 def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb_s: float,
@@ -110,7 +113,23 @@ def _speculation_fields(per_rank: list[RankStepReport]) -> dict:
         record["spec/engine_steps"] = [len(p.step_depths) for p in engines]
         record["spec/best_depth_by_bucket"] = [{bucket: s["best"] for bucket, s in p.bandit.items()}
                                                for p in engines]
+    estimate = _rollout_speedup_estimate(per_rank)
+    if estimate is not None:
+        record["spec/rollout_speedup_vs_depth0"] = estimate
     return record
+
+
+def _rollout_speedup_estimate(per_rank: list[RankStepReport]) -> float | None:
+    """The rollout phase's estimated speedup over depth 0: the phase lasts as long as its slowest engine, so at
+    depth 0 it would have lasted the longest of each engine's busy time x its own estimate. None unless
+    every engine that speculated has an estimate."""
+    engines = [p for p in per_rank if p.spec is not None]  # their leaders
+    if not engines or any(p.speedup_estimate is None for p in engines if p.spec.num_drafts):
+        return None
+    busy = [p.timeline.seconds("rollout", BUSY) for p in engines]
+    if max(busy) <= 0:
+        return None
+    return max(b * (p.speedup_estimate or 1.0) for b, p in zip(busy, engines)) / max(busy)
 
 
 def _alarm_fields(per_rank: list[RankStepReport]) -> dict:

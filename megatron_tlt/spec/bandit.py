@@ -129,6 +129,10 @@ class BucketedEpsilonGreedy:
         edges = [b * len(window) // blocks for b in range(blocks + 1)]
         return statistics.median(statistics.fmean(window[lo:hi]) for lo, hi in zip(edges, edges[1:]))
 
+    def rate(self, batch_size: int, depth: int) -> float | None:
+        """Tokens per second measured at ``depth`` in the bucket of ``batch_size`` (None: never tried there)."""
+        return self.estimate(self.bucket_of(batch_size), depth)
+
     def best_depth(self, bucket: int) -> int | None:
         """The tried arm with the highest estimate (ties go to the smaller K), or None if none was tried."""
         best: tuple[float, int] | None = None

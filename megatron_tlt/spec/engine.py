@@ -34,6 +34,7 @@ from megatron_tlt.model_config import PolicyArchitecture
 from megatron_tlt.spec.cuda_graphs import speculation_schedule
 from megatron_tlt.spec.eagle import eagle_drafter_config, validate_drafter
 from megatron_tlt.spec.metrics import SpecDecodeStats, acceptance_collapsed
+from megatron_tlt.spec.speedup_estimate import speedup_over_depth0
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class RolloutResult:
     """Wall time of each engine step."""
     step_depths: list[int] = dataclasses.field(default_factory=list)
     """Speculation depth of each engine step where BEG-MAB chooses it (else empty)."""
+    speedup_estimate: float | None = None
+    """This rollout's time at depth 0 / its time, from the depth policy's rates (``spec/speedup_estimate.py``);
+    None without adaptive speculation or where the policy knows too few rates."""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -325,8 +329,14 @@ class RolloutEngine:
             outputs = self._llm.wait_for_completion(RequestOutput, use_tqdm=False)
         seconds = time.perf_counter() - started
         scheduler = self.adaptive_scheduler()
+        step_log = scheduler.drain_step_log() if scheduler is not None else []
+        estimate = None
+        if scheduler is not None and not scheduler.pinned and len(step_log) == len(steps):  # one entry per step
+            estimate = speedup_over_depth0([(batch, depth, step_s) for (batch, depth), (_, step_s) in zip(step_log, steps)],
+                                          scheduler.bandit.rate)
         return RolloutResult(
-            step_depths=[depth for _, depth in scheduler.drain_step_log()] if scheduler is not None else [],
+            step_depths=[depth for _, depth in step_log],
+            speedup_estimate=estimate,
             step_batch_sizes=[batch for batch, _ in steps],
             step_seconds=[step_s for _, step_s in steps],
             token_ids=[[list(c.token_ids) for c in o.outputs] for o in outputs],

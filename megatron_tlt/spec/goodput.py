@@ -169,6 +169,15 @@ class GoodputDepthModel:
         tokens = self._expected_tokens(ratios)
         return max(self._depths, key=lambda k: (tokens[k] / self.step_seconds(batch_size, k), -k))
 
+    @property
+    def _ready(self) -> bool:
+        """Whether the cost fit has steps enough to predict from."""
+        return self._cost is not None or len(self._steps) >= 4
+
+    def rate(self, batch_size: int, depth: int) -> float | None:
+        """Predicted tokens per second at ``depth`` for ``batch_size`` average requests (None: not fitted yet)."""
+        return self.goodput(batch_size, depth) if self._ready else None
+
     def goodput(self, batch_size: int, depth: int, relative=None) -> float:
         """Predicted tokens per second of a step at ``depth`` for ``batch_size`` requests (``relative`` as above)."""
         ratios = np.ones(batch_size) if relative is None else np.asarray(relative, dtype=np.float64)
@@ -209,7 +218,7 @@ class GoodputDepthModel:
         pulls per depth (over all buckets) and the predicted tokens/s per depth."""
         out = {}
         bounds = self.settings.bucket_bounds
-        ready = self._cost is not None or len(self._steps) >= 4
+        ready = self._ready
         for bucket in range(len(bounds) + 1):
             batch = bounds[bucket] if bucket < len(bounds) else bounds[-1] + 1
             out[self._buckets.bucket_label(bucket)] = {

@@ -67,6 +67,7 @@ def _adaptive_engine_on_rank(workdir: str):
             out["learning_depths"] = good.step_depths
             good = engine.generate(PROMPTS, greedy)  # the bandit carries what it learned into the next rollout
             out["good_depths"], out["good_batches"] = good.step_depths, good.step_batch_sizes
+            out["good_seconds"], out["good_estimate"] = good.step_seconds, good.speedup_estimate
             out["greedy"] = [r[0] for r in good.token_ids]
             out["good_summary"] = engine.bandit_summary()
             saved = engine.bandit_state()
@@ -152,6 +153,16 @@ def test_rewards_are_credited_to_the_depth_that_earned_them(adaptive):
     assert bad == {k: batch * 1.0 for k in range(K + 1)}, bad
     assert adaptive["good_summary"]["5-8"]["best"] == K
     assert adaptive["bad_summary"]["5-8"]["best"] == 0
+
+
+def test_the_rollouts_speedup_estimate_weighs_each_step_by_its_depths_rate_over_depth_zeros(adaptive):
+    """On the step-counting clock a depth-k step makes k + 1 tokens per sequence where depth 0 makes 1, so a step
+    that ran t seconds stands for t (k + 1) seconds at depth 0 (``spec/speedup_estimate.py``)."""
+    depths, seconds = adaptive["good_depths"], adaptive["good_seconds"]
+    assert len(depths) == len(seconds)
+    expected = sum(t * (k + 1) for k, t in zip(depths, seconds)) / sum(seconds)
+    assert adaptive["good_estimate"] == pytest.approx(expected)
+    assert 1.0 < adaptive["good_estimate"] <= K + 1
 
 
 def test_greedy_output_is_the_same_whatever_depth_each_step_ran(adaptive, exact):

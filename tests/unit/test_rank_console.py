@@ -68,5 +68,8 @@ def test_eval_and_tlt_lines_name_the_step_and_its_figures():
               "rollout_training_seconds": [0.25, 0.0], "drafter/loss": 2.3125, "spec/acceptance_alarms": 0}
     assert tlt_line(record) == ("step 2 TLT: acceptance length 1.84 (42% of draft tokens), idle share trained 25%, "
                                 "drafter loss 2.312")
+    estimated = {**record, "spec/rollout_speedup_vs_depth0": 1.4567}
+    assert tlt_line(estimated) == ("step 2 TLT: acceptance length 1.84 (42% of draft tokens), rollout ~1.46x its "
+                                   "speed at depth 0 (estimated), idle share trained 25%, drafter loss 2.312")
     untrained = {**plain, "drafter/loss": math.nan, "spec/acceptance_alarms": 1}
     assert tlt_line(untrained) == "step 2 TLT: idle share trained 0%, drafter loss -, acceptance alarms 1"

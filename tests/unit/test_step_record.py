@@ -59,3 +59,20 @@ def test_the_reward_pools_failures_are_counted_per_reason_and_its_overlap_pooled
     assert (record["reward/timeouts"], record["reward/worker_crashes"], record["reward/errors"]) == (2, 1, 0)
     assert record["reward/scored_in_rollout_share"] == 0.5
     assert not [key for key in _record(_report(0), _report(1)) if key.startswith("reward/")]  # scored inline
+
+
+def _engine(rank: int, busy: float, estimate: float | None, drafts: int = 10) -> RankStepReport:
+    report = _report(rank, spec=SpecDecodeStats(num_drafts=drafts, num_draft_tokens=3 * drafts,
+                                                 num_accepted_tokens=2 * drafts))
+    report.timeline = RankTimeline(rank)
+    report.timeline.add("rollout", BUSY, 0.0, busy)
+    return dataclasses.replace(report, speedup_estimate=estimate)
+
+
+def test_the_rollouts_speedup_estimate_is_the_slowest_engines_depth0_time_over_the_phase():
+    """At depth 0 the phase would have lasted as long as the longest of busy x estimate: 2 s x 1.5 against 1 s x 2.5."""
+    record = _record(_engine(0, busy=2.0, estimate=1.5), _engine(1, busy=1.0, estimate=2.5))
+    assert record["spec/rollout_speedup_vs_depth0"] == max(2.0 * 1.5, 1.0 * 2.5) / 2.0
+    # an engine that drafted without an estimate leaves the field out; one that never drafted counts as 1x
+    assert "spec/rollout_speedup_vs_depth0" not in _record(_engine(0, 2.0, 1.5), _engine(1, 1.0, None))
+    assert _record(_engine(0, 1.0, 1.5), _engine(1, 2.0, None, drafts=0))["spec/rollout_speedup_vs_depth0"] == 1.0
