@@ -8,8 +8,9 @@ t x r(B, K) / r(B, 0) to make the same tokens. The estimate is the sum of those 
 over the steps whose two rates the policy knows.
 
 What it is not: the speedup over TLT off. Depth 0 on a speculating engine is not a plain engine. vLLM's EAGLE
-engine still does work for its drafter at depth 0, and on this CPU it ran 1.27x slower than a plain engine
-(bench/RESULTS.md), so this figure is above the gain over plain decoding. `bench/tlt_end_to_end.py` measures
+engine still does work for its drafter at depth 0: on this CPU it ran at 0.82x a plain engine's speed
+(`tlt bench rollout --sampled --depths 0,4`, bench/RESULTS.md), so this figure is above the gain over plain
+decoding. `bench/tlt_end_to_end.py` measures
 that gain side by side. The rates are also the policy's own (medians over a window, or a fit), and steps that
 prefill count like decode steps.
 """
