@@ -332,8 +332,8 @@ class RolloutEngine:
         step_log = scheduler.drain_step_log() if scheduler is not None else []
         estimate = None
         if scheduler is not None and not scheduler.pinned and len(step_log) == len(steps):  # one entry per step
-            estimate = speedup_over_depth0([(batch, depth, step_s) for (batch, depth), (_, step_s) in zip(step_log, steps)],
-                                          scheduler.bandit.rate)
+            timed = [(batch, depth, step_s) for (batch, depth), (_, step_s) in zip(step_log, steps)]
+            estimate = speedup_over_depth0(timed, scheduler.bandit.rate)
         return RolloutResult(
             step_depths=[depth for _, depth in step_log],
             speedup_estimate=estimate,
