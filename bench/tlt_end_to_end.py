@@ -39,6 +39,13 @@ def _run(run_dir: Path, overrides: list[str]) -> list[dict]:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def _seconds(runs: dict[str, list[list[dict]]], arm: str, key: str, repeat: int | None = None) -> float:
+    """``key`` summed over steps 2.. of every repeat of ``arm`` (or of one): step 1 holds the engines' first-call
+    costs in every run, so it is left out of the times."""
+    chosen = runs[arm] if repeat is None else [runs[arm][repeat]]
+    return sum(r[key] for records in chosen for r in records[1:])
+
+
 def _window_mean(records: list[dict], key: str, start: int, end: int) -> float:
     return statistics.fmean(r[key] for r in records[start:end])
 
@@ -77,10 +84,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             for arm in (list(arms) if repeat % 2 == 0 else list(arms)[::-1]):
                 runs[arm].append(_run(root / f"{arm}-{repeat + 1}", arms[arm]))
-    # step 1 holds the engines' first-call costs in every run; leave it out of the time ratio
     def seconds(arm: str, key: str, repeat: int | None = None) -> float:
-        chosen = runs[arm] if repeat is None else [runs[arm][repeat]]
-        return sum(r[key] for records in chosen for r in records[1:])
+        return _seconds(runs, arm, key, repeat)
 
     for key in PHASES:
         a, b = seconds("off", key), seconds("on", key)
@@ -120,15 +125,13 @@ def _print_frozen_baseline(runs: dict[str, list[list[dict]]], half: int) -> None
         return statistics.fmean(r.get("spec/mean_acceptance_length", float("nan"))
                                 for records in runs[arm] for r in records[half:])
 
-    def total(arm: str, key: str) -> float:
-        return sum(r[key] for records in runs[arm] for r in records[1:])
-
     online, still = acceptance("on"), acceptance("frozen")
     print(f"  acceptance length, steps {half + 1}-{len(runs['on'][0])}: online drafter {online:.2f}, frozen after the "
           f"cold start {still:.2f}: ratio {online / still:.3f}x (accepted draft tokens: "
           f"{(online - 1) / (still - 1):.3f}x)")
-    print(f"  step time TLT off / frozen drafter: {total('off', 'step_seconds') / total('frozen', 'step_seconds'):.3f}x; "
-          f"rollout {total('off', 'rollout_seconds') / total('frozen', 'rollout_seconds'):.3f}x")
+    print(f"  step time TLT off / frozen drafter: "
+          f"{_seconds(runs, 'off', 'step_seconds') / _seconds(runs, 'frozen', 'step_seconds'):.3f}x; rollout "
+          f"{_seconds(runs, 'off', 'rollout_seconds') / _seconds(runs, 'frozen', 'rollout_seconds'):.3f}x")
 
 
 if __name__ == "__main__":
