@@ -132,24 +132,25 @@ def run_like_rank_zero_of(nprocs: int) -> None:
     """Give this process the threads and cores that local rank 0 of an ``nprocs``-rank launch gets: a benchmark
     of one engine then measures it as a rank of that run drives it (on 2 cores, one core and one thread each;
     with both cores, the plain engine's matmuls spread over them and speculation's serial draft passes do not)."""
+    _take_cores(_threads_per_rank(nprocs), local=0, ranks=nprocs)
+
+
+def _take_cores(threads: int, local: int | None = None, ranks: int | None = None) -> None:
+    """Run torch on ``threads`` threads, pinned to this rank's share of the cores (``_pin_to_own_cores``)."""
     import torch
 
-    threads = _threads_per_rank(nprocs)
     torch.set_num_threads(threads)
-    _pin_to_own_cores(threads, local=0, ranks=nprocs)
+    _pin_to_own_cores(threads, local, ranks)
 
 
 def _run_rank(fn: Callable, threads: int, logs: RankLogSettings, environment: dict[str, str], args: tuple) -> Any:
     import gc
 
-    import torch
-
     # What the fork server imported lives as long as the rank: out of the collector's way, vLLM's
     # gc.collect() calls while an engine starts and stops take ~0.1 s instead of ~0.6 s each.
     gc.freeze()
     _adopt_environment(environment)
-    torch.set_num_threads(threads)
-    _pin_to_own_cores(threads)
+    _take_cores(threads)
     # Spawned and forked ranks start with logging unconfigured: the launcher's level (`tlt -v`), its log directory.
     output = RankOutput(logs, launched_rank())
     output.start()  # never stopped: what the rank prints until it exits belongs to its log
