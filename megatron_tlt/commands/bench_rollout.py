@@ -4,8 +4,8 @@ Two engines hold the same policy side by side: one without speculation (the base
 drafter and the BEG-MAB scheduler, run either at a pinned depth K (fixed-K speculation), at the depths of a
 pinned vLLM per-batch-size table (vLLM's own static rival, written per bucket from the untimed round's sweep),
 or with a depth policy (BEG-MAB, goodput) choosing each step's depth. The process runs on the cores and
-threads one rank of the config's run gets, as the RL loop's engines do. Every round runs every mode once on the same prompts, so the modes share the
-machine's slow and quiet spells. Greedy (the default), their outputs must be identical token for token
+threads one rank of the config's run gets, as the RL loop's engines do. Every round runs every mode once on
+the same prompts, so the modes share the machine's slow and quiet spells. Greedy (the default), their outputs must be identical token for token
 (speculation is lossless). ``--sampled`` samples as the RL rollout does (``rollout.samples_per_prompt``
 responses per prompt at ``rollout.temperature``): outputs then differ between modes draw by draw, and
 losslessness at temperature 1 is the chi-square test's (tests/dist/lossless_sampling.py). Each round takes
@@ -178,12 +178,16 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
 
 
 def _sweep_table(runs: dict[str, list[ModeRun]], bucket_bounds, max_batch: int):
-    """vLLM's static table from the last run of no speculation (depth 0) and of each fixed depth."""
+    """vLLM's static table from the last run of each fixed depth. Depth 0 is the speculating engine's own K=0 run
+    where --depths has one (the table runs on that engine), else the plain engine's."""
     from megatron_tlt.spec.depth_table import DepthSweepRun, table_from_sweep
 
-    sweep = {0 if mode == NO_SPECULATION else int(mode[2:]): DepthSweepRun(
-        mode_runs[-1].step_batch_sizes, mode_runs[-1].step_seconds, mode_runs[-1].acceptance_length)
-        for mode, mode_runs in runs.items() if (mode == NO_SPECULATION or mode.startswith("K=")) and mode_runs}
+    def sweep_run(mode: str) -> DepthSweepRun:
+        last = runs[mode][-1]
+        return DepthSweepRun(last.step_batch_sizes, last.step_seconds, last.acceptance_length)
+
+    sweep = {0: sweep_run(NO_SPECULATION)}
+    sweep.update({int(mode[2:]): sweep_run(mode) for mode in runs if mode.startswith("K=")})
     return table_from_sweep(sweep, bucket_bounds, max_batch)
 
 
