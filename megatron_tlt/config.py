@@ -95,9 +95,12 @@ class TinyPolicyConfig:
     intermediate_size: int = 256
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    """The longest prompt + response the policy is built for (rollout.max_response_tokens must fit in it)."""
 
     def __post_init__(self) -> None:
-        _require_at_least_one("model.tiny", num_layers=self.num_layers, hidden_size=self.hidden_size,
+        _require_at_least_one("model.tiny", max_position_embeddings=self.max_position_embeddings,
+                              num_layers=self.num_layers, hidden_size=self.hidden_size,
                               intermediate_size=self.intermediate_size,
                               num_attention_heads=self.num_attention_heads,
                               num_key_value_heads=self.num_key_value_heads)
@@ -199,6 +202,12 @@ class WarmupConfig:
     other_answer_format_share: float = 0.35
     """Share of warm-up solutions that end "The answer is N" instead of the "#### N" line the reward
     reads: mixed-format demonstrations, so RL has a format to teach (0: all in the reward's format)."""
+    check_share: float = 0.0
+    """Built-in task: the chance that a warm-up solution checks its work before the answer line (restates the
+    question and works it again, ``synthetic_task.with_checks``), and after each check, that it checks once
+    more. The policy learns to check as often, so a few samples of each group run 2-3x longer than the rest:
+    the per-sample long tail of reasoning rollouts. Checks that would run past rollout.max_response_tokens
+    are left out of that demonstration."""
     cache_dir: str | None = None
     """Where the tokenizer and warmed-up policy are cached (None: $TLT_CACHE_DIR or ~/.cache/megatron-tlt)."""
     continue_optimizer: bool = True
@@ -213,6 +222,9 @@ class WarmupConfig:
         if not 0.0 <= self.other_answer_format_share <= 1.0:
             raise ConfigError(f"warmup.other_answer_format_share must be in [0, 1], got "
                               f"{self.other_answer_format_share}")
+        if not 0.0 <= self.check_share < 1.0:
+            raise ConfigError(f"warmup.check_share must be in [0, 1) (the chance of each further check), got "
+                              f"{self.check_share}")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -58,7 +58,9 @@ def _warm_up_tiny_policy(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyAr
                               micro_batch_size=config.warmup.micro_batch_size, lr=config.warmup.lr,
                               seed=config.trainer.seed)
     corpus = tiny_default.warmup_sequences(tokenizer, config.warmup.corpus_size,
-                                           config.warmup.other_answer_format_share, tiny_default.TaskShape.of(config))
+                                           config.warmup.other_answer_format_share, tiny_default.TaskShape.of(config),
+                                           check_share=config.warmup.check_share,
+                                           max_solution_tokens=config.rollout.max_response_tokens)
     progress = None
     if show_progress:
         from tqdm.auto import tqdm

@@ -22,7 +22,9 @@ Why this shape (DESIGN.md sections 1, 4, 5):
 The reward (``rl/rewards.py``) takes the first line after the last ``####``, stripped, and compares it with
 ``Problem.answer`` exactly; ``extract_answer`` here is that same rule (``rl.rewards``). Some warm-up
 demonstrations end ``The answer is 43`` instead (``with_other_answer_format``), which that rule does not
-read: the format RL then teaches.
+read: the format RL then teaches. Some others check their work (``with_checks``): they restate the question
+and work it again before the answer line, so a few samples of a group run two or three times as long as
+the rest, as reasoning models re-verify: a long tail of lengths within each group, not only across them.
 """
 
 from __future__ import annotations
@@ -107,6 +109,29 @@ def with_other_answer_format(solution: str) -> str:
     if not body:
         raise ValueError(f"not a worked solution ending in '{ANSWER_MARKER} <answer>': {solution!r}")
     return f"{body}\n{OTHER_ANSWER_PREFIX}{answer}"
+
+
+def with_checks(problem: Problem, num_checks: int) -> str:
+    """``problem.solution`` with ``num_checks`` check passes before its answer line.
+
+    A check restates the question (``55+1-8-5=?``) and works it again, line for line::
+
+         55+1=56          <- the solution's own lines
+        56-8=48
+        55+1-8-5=?        <- one check: the question again, then the same lines
+        55+1=56
+        56-8=48
+        #### 48
+
+    Every token of a check is one the model has already written or read, so a drafter predicts it well,
+    and the answer line is unchanged, so the reward is the same with or without checks.
+    """
+    if num_checks < 0:
+        raise ValueError(f"num_checks must be >= 0, got {num_checks}")
+    body, marker, answer = problem.solution.rpartition(f"\n{ANSWER_MARKER} ")
+    question = problem.prompt.removeprefix(PROMPT_PREFIX).removesuffix("\nA:")
+    check = f"\n{question}\n{body.lstrip(' ')}"
+    return body + check * num_checks + marker + answer
 
 
 def step_count_weights(max_steps: int, tail: float) -> list[float]:

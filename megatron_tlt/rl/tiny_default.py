@@ -39,7 +39,6 @@ TOKENIZER_SEED = 0
 # What every tiny policy shares; its shape comes from ``model.tiny`` (config.TinyPolicyConfig).
 TINY_POLICY_BASE = dict(
     architectures=["LlamaForCausalLM"],
-    max_position_embeddings=512,
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
     tie_word_embeddings=False,
@@ -70,13 +69,18 @@ def policy_config(config: TLTConfig) -> dict:
     tiny = config.model.tiny
     return dict(TINY_POLICY_BASE, hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
                 num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_attention_heads,
-                num_key_value_heads=tiny.num_key_value_heads)
+                num_key_value_heads=tiny.num_key_value_heads, max_position_embeddings=tiny.max_position_embeddings)
 
 
 def warmup_recipe(config: TLTConfig) -> dict:
     """The warm-up settings that shape the warmed-up policy (not where it is cached or how RL uses it)."""
-    return {k: v for k, v in dataclasses.asdict(config.warmup).items()
-            if k not in ("cache_dir", "continue_optimizer", "use_shipped")}
+    recipe = {k: v for k, v in dataclasses.asdict(config.warmup).items()
+              if k not in ("cache_dir", "continue_optimizer", "use_shipped")}
+    if recipe["check_share"]:
+        recipe["max_response_tokens"] = config.rollout.max_response_tokens  # it bounds the checks
+    else:  # a recipe without checks keeps the key it had before they existed
+        del recipe["check_share"]
+    return recipe
 
 
 def cache_root(configured: str | None = None) -> Path:
@@ -122,24 +126,40 @@ def rl_prompts(tokenizer: Tokenizer, num: int, shape: TaskShape = TaskShape()) -
 
 
 def warmup_sequences(tokenizer: Tokenizer, num: int, other_answer_format_share: float = 0.0,
-                     shape: TaskShape = TaskShape()) -> list[tuple[list[int], int]]:
+                     shape: TaskShape = TaskShape(), *, check_share: float = 0.0,
+                     max_solution_tokens: int | None = None) -> list[tuple[list[int], int]]:
     """Supervised warm-up data: (BOS + prompt + solution + EOS ids, prompt length) per problem.
 
     A seeded ``other_answer_format_share`` of the solutions state their answer as "The answer is N"
     (``synthetic_task.with_other_answer_format``), which the exact-match reward does not read.
+    A solution checks its work with chance ``check_share``, and after each check checks again with the
+    same chance (``synthetic_task.with_checks``); a check that would take the solution and its EOS past
+    ``max_solution_tokens`` is left out, so the policy learns no response longer than RL lets it write.
     Prompt and solution are tokenized apart, exactly as RL sees them (the prompt alone, then the
     policy's continuation), so the warm-up teaches the token boundary RL samples from.
     """
     if not 0.0 <= other_answer_format_share <= 1.0:
         raise ValueError(f"other_answer_format_share must be in [0, 1], got {other_answer_format_share}")
+    if not 0.0 <= check_share < 1.0:
+        raise ValueError(f"check_share must be in [0, 1), got {check_share}")
     formats = random.Random(WARMUP_CORPUS_SEED)
+    checks = random.Random(f"checks-{WARMUP_CORPUS_SEED}")  # its own stream: the formats stay as they were
     sequences = []
     for problem in shape.problems(num, WARMUP_CORPUS_SEED):
-        solution = problem.solution
-        if formats.random() < other_answer_format_share:
-            solution = synthetic_task.with_other_answer_format(solution)
+        other_format = formats.random() < other_answer_format_share
+        num_checks = 0
+        while check_share and checks.random() < check_share:
+            num_checks += 1
+        while True:  # the most checks, up to num_checks, that fit
+            solution = synthetic_task.with_checks(problem, num_checks)
+            if other_format:
+                solution = synthetic_task.with_other_answer_format(solution)
+            solution_ids = tokenizer.encode(solution) + [tokenizer.eos_id]
+            if not num_checks or max_solution_tokens is None or len(solution_ids) <= max_solution_tokens:
+                break
+            num_checks -= 1
         prompt = tokenizer.encode(problem.prompt, add_bos=True)
-        sequences.append((prompt + tokenizer.encode(solution) + [tokenizer.eos_id], len(prompt)))
+        sequences.append((prompt + solution_ids, len(prompt)))
     return sequences
 
 

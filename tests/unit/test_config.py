@@ -51,6 +51,8 @@ def test_bad_names_and_malformed_overrides_are_refused():
     ("optimizer.lr_decay_style=exp", "lr_decay_style must be constant, linear or cosine"),
     ("optimizer.min_lr=1", "0 <= min_lr <= lr"),
     ("warmup.other_answer_format_share=1.5", "other_answer_format_share must be in"),
+    ("warmup.check_share=1.0", "check_share must be in \\[0, 1\\)"),
+    ("model.tiny.max_position_embeddings=0", "max_position_embeddings"),
     ("model.tiny.num_attention_heads=3", "num_attention_heads 3 must divide hidden_size 128"),
     ("model.tiny.num_layers=0", "model.tiny.num_layers must be >= 1"),
     ("data.length_tail=0", "data.length_tail must be > 0"),

@@ -17,6 +17,7 @@ from megatron_tlt.rl.synthetic_task import (
     length_stats,
     solve,
     task_corpus,
+    with_checks,
     with_other_answer_format,
 )
 from megatron_tlt.tokenizer import load_tokenizer, train_sentencepiece
@@ -178,3 +179,48 @@ def test_the_warmup_corpus_states_the_configured_share_of_answers_in_the_other_f
     plain = warmup_sequences(task_tokenizer, 400)
     assert not any(OTHER_ANSWER_PREFIX.strip() in task_tokenizer.decode(ids[p:], skip_special_tokens=True)
                    for ids, p in plain)
+
+
+def test_a_check_restates_the_question_and_repeats_the_work_leaving_the_answer_as_it_was(problems):
+    problem = next(p for p in problems if p.num_steps == 3)
+    assert with_checks(problem, 0) == problem.solution
+    checked = with_checks(problem, 2)
+    lines = problem.solution.lstrip(" ").split("\n")
+    work, answer_line = lines[:-1], lines[-1]
+    question = problem.prompt.removeprefix("Q: ").removesuffix("\nA:")
+    assert question.endswith("=?")
+    assert checked.lstrip(" ").split("\n") == work + [question, *work] + [question, *work] + [answer_line]
+    assert extract_answer(checked) == problem.answer
+    assert is_correct(problem.prompt, with_other_answer_format(checked)) is False  # "The answer is": not read
+    with pytest.raises(ValueError, match="num_checks must be >= 0"):
+        with_checks(problem, -1)
+
+
+def _num_checks(text: str) -> int:
+    return text.count("=?")
+
+
+def test_the_warmup_corpus_checks_at_the_configured_rate_within_the_response_budget(task_tokenizer):
+    from megatron_tlt.rl.tiny_default import warmup_sequences
+
+    plain = warmup_sequences(task_tokenizer, 2000, other_answer_format_share=0.35)
+    checked = warmup_sequences(task_tokenizer, 2000, other_answer_format_share=0.35, check_share=0.25)
+    assert checked == warmup_sequences(task_tokenizer, 2000, other_answer_format_share=0.35, check_share=0.25)
+    texts = [task_tokenizer.decode(ids[p:], skip_special_tokens=True) for ids, p in checked]
+    counts = [_num_checks(text) for text in texts]
+    # P(at least one check) = 0.25, P(at least two) = 0.0625: binomial bounds of about 4 SD over 2000
+    assert 0.21 * 2000 < sum(c >= 1 for c in counts) < 0.29 * 2000
+    assert 0.04 * 2000 < sum(c >= 2 for c in counts) < 0.085 * 2000
+    # the checks take their own random stream: each problem keeps the prompt and answer format it had
+    plain_texts = [task_tokenizer.decode(ids[p:], skip_special_tokens=True) for ids, p in plain]
+    assert [ids[:p] for ids, p in checked] == [ids[:p] for ids, p in plain]
+    assert [ANSWER_MARKER in t for t in texts] == [ANSWER_MARKER in t for t in plain_texts]
+    assert all(t == u for t, u, c in zip(texts, plain_texts, counts) if c == 0)
+    # a budget leaves out the checks that would not fit, never the work or the answer
+    budget = 120
+    bounded = warmup_sequences(task_tokenizer, 2000, other_answer_format_share=0.35, check_share=0.25,
+                               max_solution_tokens=budget)
+    for (ids, p), (full_ids, _), (plain_ids, _) in zip(bounded, checked, plain):
+        assert len(ids) - p <= budget or ids == plain_ids  # over budget only where no check was left
+        assert len(ids) <= len(full_ids)
+    assert sum(b != c for b, c in zip(bounded, checked)) > 0  # the budget did bind somewhere

@@ -43,21 +43,25 @@ def test_the_task_shape_sets_the_length_tail_and_the_longest_problem_fits_the_co
     longest = max(problems, key=lambda p: p.num_steps)
     assert len(tokenizer.encode(longest.prompt, add_bos=True)) <= config.data.max_prompt_tokens
     assert len(tokenizer.encode(longest.prompt + longest.solution, add_bos=True)) + 1 <= (
-        tiny_default.TINY_POLICY_BASE["max_position_embeddings"])
+        config.model.tiny.max_position_embeddings)
 
 
 def test_each_policy_and_task_shape_has_its_own_warm_up_and_the_default_keeps_its_entry(tokenizer, tmp_path):
     def entry(*overrides):
         return warmed_up_dir(load_config(None, [f"warmup.cache_dir={tmp_path}", *overrides]), tokenizer)
 
-    entries = {entry(), entry(*DEEP), entry(*LONG_TAIL), entry(*DEEP, *LONG_TAIL)}
-    assert len(entries) == 4
+    checks = ["warmup.check_share=0.25"]
+    entries = {entry(), entry(*DEEP), entry(*LONG_TAIL), entry(*DEEP, *LONG_TAIL), entry(*checks),
+               entry(*checks, "rollout.max_response_tokens=96"), entry("model.tiny.max_position_embeddings=1024")}
+    assert len(entries) == 7
+    assert entry("rollout.max_response_tokens=96") == entry()  # without checks the budget shapes no demonstration
     # the key the tiny default had before its shape was configurable: its cached warm-up stays valid
     config = load_config(None, [f"warmup.cache_dir={tmp_path}"])
-    warmup = {k: v for k, v in vars(config.warmup).items() if k not in ("cache_dir", "continue_optimizer", "use_shipped")}
+    warmup = {k: v for k, v in vars(config.warmup).items()
+              if k not in ("cache_dir", "continue_optimizer", "use_shipped", "check_share")}  # settings made later
     before = tiny_default.cache_key(kind="warmup", policy=dict(
         tiny_default.TINY_POLICY_BASE, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2), vocab=tokenizer.vocab_size, warmup=warmup,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512), vocab=tokenizer.vocab_size, warmup=warmup,
         seed=config.trainer.seed, dtype=config.model.dtype, attention=config.model.attention)
     assert entry(*[f"model.tiny.{k}={v}" for k, v in dict(
         num_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
