@@ -230,26 +230,21 @@ def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: 
         }
     fixed = [m for m in modes if m.startswith("K=")]
     best_fixed = max(fixed, key=lambda m: modes[m]["speedup"])
-    # Paired by round. The best fixed depth is picked on all rounds, which favours it slightly.
-    by_round, error = _paired_ratios(runs[best_fixed], runs[BANDIT])
-    adaptive = {}
-    if VLLM_TABLE in runs:
-        table_by_round, table_error = _paired_ratios(runs[best_fixed], runs[VLLM_TABLE])
-        adaptive.update({"vllm_table_over_best_fixed": modes[VLLM_TABLE]["speedup"] / modes[best_fixed]["speedup"],
-                         "vllm_table_over_best_fixed_by_round": table_by_round,
-                         "vllm_table_over_best_fixed_standard_error": table_error})
-    if GOODPUT in runs:
-        goodput_by_round, goodput_error = _paired_ratios(runs[best_fixed], runs[GOODPUT])
-        adaptive.update({"goodput_over_best_fixed": modes[GOODPUT]["speedup"] / modes[best_fixed]["speedup"],
-                         "goodput_over_best_fixed_by_round": goodput_by_round,
-                         "goodput_over_best_fixed_standard_error": goodput_error})
-    return {"prompts": num_prompts, "rounds": len(base), "sampled": sampled, "modes": modes, "best_fixed": best_fixed,
-            "bandit_over_best_fixed": modes[BANDIT]["speedup"] / modes[best_fixed]["speedup"],
-            "bandit_over_best_fixed_by_round": by_round,
-            "bandit_over_best_fixed_standard_error": error,
-            **adaptive,
-            "all_greedy_identical": None if sampled else all(m["greedy_identical"] for m in modes.values()),
-            "bandit": bandit_summary}
+
+    def over_best_fixed(mode: str, key: str) -> dict:
+        # Paired by round. The best fixed depth is picked on all rounds, which favours it slightly.
+        by_round, error = _paired_ratios(runs[best_fixed], runs[mode])
+        return {f"{key}_over_best_fixed": modes[mode]["speedup"] / modes[best_fixed]["speedup"],
+                f"{key}_over_best_fixed_by_round": by_round, f"{key}_over_best_fixed_standard_error": error}
+
+    figures = {"prompts": num_prompts, "rounds": len(base), "sampled": sampled, "modes": modes,
+               "best_fixed": best_fixed, **over_best_fixed(BANDIT, "bandit"),
+               "all_greedy_identical": None if sampled else all(m["greedy_identical"] for m in modes.values()),
+               "bandit": bandit_summary}
+    for mode, key in ((VLLM_TABLE, "vllm_table"), (GOODPUT, "goodput")):
+        if mode in runs:
+            figures.update(over_best_fixed(mode, key))
+    return figures
 
 
 def _seconds_by_bucket(runs: dict[str, list[ModeRun]], settings: SpeculationConfig) -> dict[str, dict[str, float]]:
@@ -286,17 +281,15 @@ def format_figures(figures: dict) -> str:
     lines.append("BEG-MAB / best fixed per round: " + ", ".join(
         f"{r:.3f}" for r in figures["bandit_over_best_fixed_by_round"])
         + f" (standard error of their mean {figures['bandit_over_best_fixed_standard_error']:.3f})")
-    if "goodput_over_best_fixed" in figures:
-        lines.append(f"goodput / best fixed ({figures['best_fixed']}): {figures['goodput_over_best_fixed']:.3f}; per round "
-                     + ", ".join(f"{r:.3f}" for r in figures["goodput_over_best_fixed_by_round"])
-                     + f" (standard error of their mean {figures['goodput_over_best_fixed_standard_error']:.3f})")
-    if "vllm_table_over_best_fixed" in figures:
-        from megatron_tlt.spec.depth_table import format_table
+    from megatron_tlt.spec.depth_table import format_table
 
-        table = format_table([tuple(entry) for entry in figures.get("vllm_table", [])])
-        lines.append(f"vLLM table ({table}) / best fixed: {figures['vllm_table_over_best_fixed']:.3f}; per round "
-                     + ", ".join(f"{r:.3f}" for r in figures["vllm_table_over_best_fixed_by_round"])
-                     + f" (standard error of their mean {figures['vllm_table_over_best_fixed_standard_error']:.3f})")
+    table = format_table([tuple(entry) for entry in figures.get("vllm_table", [])])
+    for key, label in (("goodput", f"goodput / best fixed ({figures['best_fixed']})"),
+                       ("vllm_table", f"vLLM table ({table}) / best fixed")):
+        if f"{key}_over_best_fixed" in figures:
+            lines.append(f"{label}: {figures[f'{key}_over_best_fixed']:.3f}; per round "
+                         + ", ".join(f"{r:.3f}" for r in figures[f"{key}_over_best_fixed_by_round"])
+                         + f" (standard error of their mean {figures[f'{key}_over_best_fixed_standard_error']:.3f})")
     lines.append(f"BEG-MAB's first rollout, before it had tried its arms (untimed): "
                  f"{figures['bandit_cold_first_rollout_speedup']:.2f}x")
     if "goodput_cold_first_rollout_speedup" in figures:
