@@ -42,7 +42,8 @@ ANSWER_MARKER = "####"
 OTHER_ANSWER_PREFIX = "The answer is "
 """How some worked solutions state the answer instead: text the reward's ``####`` rule does not read."""
 PROMPT_PREFIX = "Q: "
-PROMPT_SUFFIX = "=?\nA:"  # the prompt ends here; the model writes the solution next
+QUESTION_END = "=?"  # ends the expression, in the prompt and where a check restates it
+PROMPT_SUFFIX = QUESTION_END + "\nA:"  # the prompt ends here; the model writes the solution next
 MAX_VALUE = 99  # every start value, intermediate and answer lies in 0..MAX_VALUE
 MAX_OPERAND = 9  # every operand lies in 1..MAX_OPERAND
 # The task's default shape is the config's (data.max_solution_steps, data.length_tail): one truth for both.
@@ -129,7 +130,7 @@ def with_checks(problem: Problem, num_checks: int) -> str:
     if num_checks < 0:
         raise ValueError(f"num_checks must be >= 0, got {num_checks}")
     body, marker, answer = problem.solution.rpartition(f"\n{ANSWER_MARKER} ")
-    question = problem.prompt.removeprefix(PROMPT_PREFIX).removesuffix("\nA:")
+    question = problem.prompt.removeprefix(PROMPT_PREFIX).removesuffix(PROMPT_SUFFIX) + QUESTION_END
     check = f"\n{question}\n{body.lstrip(' ')}"
     return body + check * num_checks + marker + answer
 
