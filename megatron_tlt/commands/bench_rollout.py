@@ -110,7 +110,7 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
     bandit = dataclasses.replace(config.speculation, adaptive=True, depths=sorted({0, *settings.depths}),
                                  policy="bandit")
     speculation = SpeculativeSettings(num_speculative_tokens=max(settings.depths), adaptive=bandit,
-                                      seed=config.trainer.seed)
+                                      seed=config.trainer.seed, draft_sampling=config.speculation.draft_sampling)
     with ParallelLayout(seed=config.trainer.seed), tempfile.TemporaryDirectory(prefix="tlt-bench-rollout-") as workdir:
         session = RankSession(config, policy_dir=Path(policy_dir) if policy_dir is not None else None,
                               show_progress=True)

@@ -75,8 +75,9 @@ class _Session:
                                       precision=resolve_precision(d.precision), buffer_tokens=1 << 62)
         if d.init_dir is not None:
             self.trainer.drafter.load_tensors(store.read_drafter_tensors(d.init_dir, self.task.arch))
-        self.engine = self.ranks.open_engine(
-            workdir, speculative=SpeculativeSettings(num_speculative_tokens=settings.draft_tokens), drafter=self.trainer)
+        speculative = SpeculativeSettings(num_speculative_tokens=settings.draft_tokens,
+                                          draft_sampling=config.speculation.draft_sampling)
+        self.engine = self.ranks.open_engine(workdir, speculative=speculative, drafter=self.trainer)
         self.ranks.sync(self.engine, self.trainer)
 
     def generate_with_features(self, prompts: list[PromptExample], seed: int):

@@ -103,7 +103,8 @@ class TLTDrafter:
             return None
         adaptive = self.config.speculation if self.config.speculation.adaptive else None
         return SpeculativeSettings(num_speculative_tokens=k, adaptive=adaptive, seed=self.config.trainer.seed,
-                                   acceptance_alarm_threshold=self.config.drafter.acceptance_alarm)
+                                   acceptance_alarm_threshold=self.config.drafter.acceptance_alarm,
+                                   draft_sampling=self.config.speculation.draft_sampling)
 
     def trains_in(self, step: int) -> bool:
         """Whether the spot trainer works in (1-based) ``step``: every step, or the even or odd ones only

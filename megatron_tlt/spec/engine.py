@@ -72,6 +72,9 @@ class SpeculativeSettings:
     """Seed of the bandit's exploration (``trainer.seed`` in a run)."""
     acceptance_alarm_threshold: float = 0.05
     """Accepted share of draft tokens below which a rollout or probe raises the collapse alarm."""
+    draft_sampling: str = "probabilistic"
+    """vLLM's ``draft_sample_method`` (``speculation.draft_sampling``): draft tokens drawn from the drafter's
+    distribution, or its argmax."""
 
 
 @dataclasses.dataclass
@@ -222,7 +225,8 @@ class RolloutEngine:
             drafter_dir.mkdir(parents=True, exist_ok=True)
             (drafter_dir / "config.json").write_text(json.dumps(eagle_drafter_config(arch), indent=2))
             speculative_config = {"method": "eagle", "model": str(drafter_dir),
-                                  "num_speculative_tokens": speculative.num_speculative_tokens}
+                                  "num_speculative_tokens": speculative.num_speculative_tokens,
+                                  "draft_sample_method": speculative.draft_sampling}
         self._draft_weight_api = speculative is not None and _uses_draft_weight_api()
         transfer = {}
         if self._draft_weight_api:

@@ -16,7 +16,8 @@ from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 K = 3
 
 
-def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks: bool):
+def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks: bool,
+                                draft_sampling: str = "probabilistic"):
     from megatron_tlt import cpu_compat
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.spec.engine import (EngineError, RolloutEngine, RolloutEngineConfig, SamplingSettings,
@@ -29,12 +30,13 @@ def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks:
     results = {}
     with ParallelLayout():
         engine = RolloutEngine(arch, RolloutEngineConfig(max_model_len=64, seed=0), workdir=workdir, rank=0,
-                               speculative=SpeculativeSettings(num_speculative_tokens=K),
+                               speculative=SpeculativeSettings(num_speculative_tokens=K, draft_sampling=draft_sampling),
                                drafter=fixture["good_drafter"])
         try:
             engine.load_weights(fixture["target"].items())
             sampled = engine.generate([PROMPT], SamplingSettings(n=NUM_SAMPLES, temperature=1.0, max_tokens=4))
             results["samples"] = np.array(sampled.token_ids[0])
+            results["sampled_acceptance_rate"] = sampled.spec.acceptance_rate
             if full_checks:
                 prompts = [[i, i + 1] for i in range(1, 9)]
                 greedy = engine.generate(prompts, SamplingSettings(temperature=0.0, max_tokens=24))
@@ -93,8 +95,28 @@ def test_a_drafter_that_agrees_with_the_target_is_accepted_at_every_position(fix
 
 
 def test_sampling_with_speculation_matches_the_targets_distribution(fixed_engine_results, exact):
+    # the default: draft tokens drawn from the drafter's distribution, verified against the target's
     p_values = goodness_of_fit_p_values(fixed_engine_results["samples"], exact)
     assert min(p_values) > SIGNIFICANCE, p_values
+
+
+@pytest.fixture(scope="module")
+def greedy_draft_results(tmp_path_factory):
+    return run_on_ranks(_speculative_engine_on_rank, 1, str(tmp_path_factory.mktemp("greedy-drafts")), True, False,
+                        "greedy", isolated=True)[0]
+
+
+def test_sampling_with_greedy_drafts_matches_the_targets_distribution(greedy_draft_results, exact):
+    p_values = goodness_of_fit_p_values(greedy_draft_results["samples"], exact)
+    assert min(p_values) > SIGNIFICANCE, p_values
+
+
+def test_drawn_drafts_are_accepted_where_the_drafter_matches_the_targets_distribution(fixed_engine_results,
+                                                                                       greedy_draft_results):
+    # The good drafter's q is the target's p up to its final norm: a draft drawn from q is accepted with
+    # sum min(p, q) ~ 1, its argmax only with p(argmax) (~0.57 for this target at temperature 1).
+    assert fixed_engine_results["sampled_acceptance_rate"] > 0.9
+    assert greedy_draft_results["sampled_acceptance_rate"] < 0.7
 
 
 def test_the_sampling_test_detects_vllm_cpus_shipped_expand_kernel(tmp_path, exact):

@@ -85,6 +85,8 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path):
      r"speculation.epsilon must be in \[0, 1\], got 1.5"),
     (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.epsilon=-0.1"],
      r"speculation.epsilon must be in \[0, 1\]"),
+    (["drafter.speculative_tokens=3", "speculation.draft_sampling=sampled"],
+     r"speculation.draft_sampling must be probabilistic or greedy, got 'sampled'"),
 ])
 def test_bad_bandit_settings_are_refused_at_start_up(overrides, message):
     with pytest.raises(ConfigError, match=message):
