@@ -347,6 +347,11 @@ class DrafterConfig:
     """Training rows per drafter micro-step: also the preemption granularity."""
     hidden_weight: float = 1.0
     ce_weight: float = 0.1
+    unroll_steps: int = 1
+    """Draft steps each training row is unrolled over (training-time test, as EAGLE-3 and HASS train; the
+    loss is their mean): at step k the drafter reads its own step k-1 prediction where step 1 reads the
+    policy's feature, as vLLM drafts the k-th token. 1: the policy's features only (EAGLE-1). Each step costs
+    about one more forward and backward pass of the drafter."""
     spot_training_steps: str = "all"
     """Steps the spot trainer works in: all, or only the even / odd ones (for the crossover benchmark
     ``bench/spot_overhead.py``, which compares steps with and without it inside each run)."""
@@ -379,6 +384,8 @@ class DrafterConfig:
         if self.speculative_tokens < 0 or self.buffer_tokens < 1 or self.pack_tokens < 1:
             raise ConfigError(f"drafter.speculative_tokens must be >= 0 and buffer_tokens, pack_tokens >= 1, got "
                               f"{self.speculative_tokens}, {self.buffer_tokens}, {self.pack_tokens}")
+        if self.unroll_steps < 1:
+            raise ConfigError(f"drafter.unroll_steps must be >= 1 (1: no unrolling), got {self.unroll_steps}")
         if self.lr <= 0 or (self.spot_lr is not None and self.spot_lr <= 0):
             raise ConfigError(f"drafter.lr and drafter.spot_lr must be > 0, got {self.lr}, {self.spot_lr}")
         if self.spot_duty_cycle is not None and not 0.0 < self.spot_duty_cycle <= 1.0:

@@ -152,6 +152,8 @@ def cold_start_dir(config) -> Path:
     # Keyed by what the cold start reads, not by the RL-only drafter settings (depth, spot training, alarms):
     # the TLT-on and TLT-off arms of a benchmark share one drafter.
     drafter = {name: getattr(config.drafter, name) for name in COLD_START_DRAFTER_FIELDS}
+    if config.drafter.unroll_steps > 1:  # keys made before unrolling existed stay valid
+        drafter["unroll_steps"] = config.drafter.unroll_steps
     sampling = dict(temperature=config.rollout.temperature, max_response_tokens=config.rollout.max_response_tokens)
     data = {k: v for k, v in dataclasses.asdict(config.data).items() if k not in REWARD_SCORING_DATA_FIELDS}
     key = tiny_default.cache_key(warmup=tiny_default.warmup_recipe(config), model=dataclasses.asdict(config.model),

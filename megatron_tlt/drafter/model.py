@@ -65,6 +65,32 @@ def block_causal_mask(segment_ids_t: torch.Tensor) -> torch.Tensor:
     return torch.tril(same_segment_tt)
 
 
+def index_in_segment(segment_ids_t: torch.Tensor) -> torch.Tensor:
+    """Each row's index within its own segment (segments are contiguous runs of rows)."""
+    rows_t = torch.arange(segment_ids_t.numel(), device=segment_ids_t.device)
+    starts_segment_t = torch.ones_like(segment_ids_t, dtype=torch.bool)
+    starts_segment_t[1:] = segment_ids_t[1:] != segment_ids_t[:-1]
+    segment_start_t = torch.cummax(torch.where(starts_segment_t, rows_t, 0), dim=0).values
+    return rows_t - segment_start_t
+
+
+def draft_step_mask(segment_ids_t: torch.Tensor, step: int) -> torch.Tensor:
+    """[t, step * t] bool: what row s may attend to at draft step ``step`` (1-based), over the rows of steps
+    1..step side by side, as vLLM's drafter attends at that step.
+
+    At step k the row s drafts k - 1 positions past the last token the target verified: it sees that prefix,
+    which is step 1's rows j <= s - (k - 1) (made from the policy's own features), and the chain of drafts
+    since, which is step m's row s - (k - m) for m = 2..k (itself at m = k); never another segment.
+    Step 1 is ``block_causal_mask``.
+    """
+    rows_t = torch.arange(segment_ids_t.numel(), device=segment_ids_t.device)
+    same_segment_tt = segment_ids_t[:, None] == segment_ids_t[None, :]
+    behind_tt = rows_t[:, None] - rows_t[None, :]  # s - j
+    blocks = [same_segment_tt & (behind_tt >= step - 1)]
+    blocks += [same_segment_tt & (behind_tt == step - m) for m in range(2, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -97,13 +123,19 @@ class EagleAttention(nn.Module):
         self.v_proj = make_linear(h, self.num_kv_heads * d, bias=arch.qkv_bias, **factory)
         self.o_proj = make_linear(self.num_heads * d, h, bias=False, **factory)
 
-    def forward(self, x_th, cos_td, sin_td, mask_tt) -> torch.Tensor:
+    def forward(self, x_th, cos_td, sin_td, mask_tt, kv_cache: list | None = None) -> torch.Tensor:
+        """``kv_cache``: the keys and values of earlier draft steps' rows (``EagleDrafter.unroll``); these
+        rows' own are appended, and ``mask_tt`` spans all of them, earliest step first."""
         t = x_th.shape[0]
         q = self.q_proj(x_th).view(t, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, t, d]
         k = self.k_proj(x_th).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
         v = self.v_proj(x_th).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
         q = q * cos_td + _rotate_half(q) * sin_td
         k = k * cos_td + _rotate_half(k) * sin_td
+        if kv_cache is not None:
+            kv_cache.append((k, v))
+            k = torch.cat([cached_k for cached_k, _ in kv_cache], dim=1)
+            v = torch.cat([cached_v for _, cached_v in kv_cache], dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_tt, enable_gqa=True)
         return self.o_proj(out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
 
@@ -130,9 +162,9 @@ class EagleDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = SwiGLU(arch, dtype=dtype, device=device, fp8=fp8)
 
-    def forward(self, x_th, cos_td, sin_td, mask_tt) -> torch.Tensor:
+    def forward(self, x_th, cos_td, sin_td, mask_tt, kv_cache: list | None = None) -> torch.Tensor:
         # No input norm: attention reads fc's output directly (vLLM replaces input_layernorm by Identity).
-        x_th = x_th + self.self_attn(x_th, cos_td, sin_td, mask_tt)
+        x_th = x_th + self.self_attn(x_th, cos_td, sin_td, mask_tt, kv_cache)
         return x_th + self.mlp(self.post_attention_layernorm(x_th))
 
 
@@ -204,13 +236,36 @@ class EagleDrafter(nn.Module):
         Returns:
             The drafter's output: its prediction of f_{t+1}; ``lm_head(out)`` drafts token x_{t+2}.
         """
+        return self.unroll(token_embeds_th, features_th, position_ids_t, segment_ids_t, steps=1)[0][0]
+
+    def unroll(self, token_embeds_th: torch.Tensor, features_th: torch.Tensor, position_ids_t: torch.Tensor,
+               segment_ids_t: torch.Tensor, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The drafter's predictions at draft steps 1..``steps`` for every row, computed as vLLM drafts them
+        (training-time test, as EAGLE-3 and HASS train): step 1 is ``forward``; at step k row s reads, in
+        place of the policy's feature f_s, the drafter's own step k-1 output at row s-1 (its prediction of
+        f_s), and attends as ``draft_step_mask`` says. Every step predicts the same targets f_{s+1}.
+
+        Returns ``(predictions, valid)``: per step a [t, h] prediction and a [t] bool that is False for the
+        first k-1 rows of each segment (no draft chain that long starts inside the segment).
+        """
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
         if token_embeds_th.shape != features_th.shape or token_embeds_th.dim() != 2:
             raise ValueError(f"token_embeds_th {tuple(token_embeds_th.shape)} and features_th "
                              f"{tuple(features_th.shape)} must both be [tokens, hidden]")
-        fused_th = self.fc(torch.cat((token_embeds_th, features_th), dim=-1).to(self.dtype))  # embedding first
-        cos, sin = self.rotary_cos_sin(position_ids_t, fused_th.dtype)
-        mask_tt = block_causal_mask(segment_ids_t)
-        return self.layers[0](fused_th, cos, sin, mask_tt)
+        rows_in_segment_t = index_in_segment(segment_ids_t)
+        kv_cache: list = []
+        predictions, valid = [], []
+        step_features_th = features_th
+        for step in range(1, steps + 1):
+            if step > 1:  # row s reads row s-1's previous prediction; row 0's input is a placeholder (invalid)
+                step_features_th = torch.cat((step_features_th[:1].to(predictions[-1].dtype), predictions[-1][:-1]))
+            fused_th = self.fc(torch.cat((token_embeds_th, step_features_th), dim=-1).to(self.dtype))  # embedding first
+            if step == 1:
+                cos, sin = self.rotary_cos_sin(position_ids_t, fused_th.dtype)
+            predictions.append(self.layers[0](fused_th, cos, sin, draft_step_mask(segment_ids_t, step), kv_cache))
+            valid.append(rows_in_segment_t >= step - 1)
+        return predictions, valid
 
     # -- tensors in vLLM's format -----------------------------------------------------------------------
 

@@ -154,13 +154,25 @@ class DrafterTrainer:
         return totals
 
     def _loss(self, pack: DrafterPack):
+        """The mean over the unrolled draft steps of each step's loss on its valid rows; the metrics are
+        step 1's (the first draft token's, comparable whatever the unrolling)."""
         rows = pad_rows(pack, row_multiple(self.precision))
         with autocast(self.precision):
-            pred = self.drafter(self._embedding_vh[rows.input_ids_t], rows.features_th, rows.position_ids_t,
-                                rows.segment_ids_t)
-        # The padding rows are cut off: the loss and its metrics see the pack's own rows only.
-        return drafter_loss(pred[:pack.num_tokens], pack.target_features_th, self._lm_head_vh,
-                            hidden_weight=self.settings.hidden_weight, ce_weight=self.settings.ce_weight)
+            predictions, valid = self.drafter.unroll(self._embedding_vh[rows.input_ids_t], rows.features_th,
+                                                     rows.position_ids_t, rows.segment_ids_t,
+                                                     self.settings.unroll_steps)
+        losses, first_metrics = [], None
+        for pred_th, valid_t in zip(predictions, valid):
+            # The padding rows are cut off: the loss and its metrics see the pack's own rows only.
+            keep_t = valid_t[:pack.num_tokens]
+            if not bool(keep_t.any()):  # every segment shorter than this draft step
+                break
+            loss, metrics = drafter_loss(pred_th[:pack.num_tokens][keep_t], pack.target_features_th[keep_t],
+                                         self._lm_head_vh, hidden_weight=self.settings.hidden_weight,
+                                         ce_weight=self.settings.ce_weight)
+            losses.append(loss)
+            first_metrics = first_metrics or metrics
+        return torch.stack(losses).mean(), first_metrics
 
     def _drop(self, pack: DrafterPack) -> int:
         self.optimizer.zero_grad(set_to_none=True)

@@ -85,6 +85,7 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path):
      r"speculation.epsilon must be in \[0, 1\], got 1.5"),
     (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.epsilon=-0.1"],
      r"speculation.epsilon must be in \[0, 1\]"),
+    (["drafter.unroll_steps=0"], r"drafter.unroll_steps must be >= 1 \(1: no unrolling\), got 0"),
     (["drafter.speculative_tokens=3", "speculation.draft_sampling=sampled"],
      r"speculation.draft_sampling must be probabilistic or greedy, got 'sampled'"),
 ])

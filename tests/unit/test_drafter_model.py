@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_tlt.drafter.model import EagleDrafter, block_causal_mask
+from megatron_tlt.drafter.model import EagleDrafter, block_causal_mask, draft_step_mask, index_in_segment
 from megatron_tlt.model_config import architecture_from_dict
 from megatron_tlt.spec.eagle import DrafterMismatch, eagle_drafter_config, expected_drafter_shapes, validate_drafter
 from megatron_tlt.tiny_models import TINY_LLAMA, TINY_QWEN2, next_token_fixture
@@ -97,6 +97,58 @@ def test_block_causal_mask_never_crosses_a_segment():
                              [0, 0, 1, 1, 0],
                              [0, 0, 1, 1, 1]]).bool()
     assert torch.equal(mask, expected)
+
+
+def test_draft_step_masks_see_the_verified_prefix_and_the_chain_of_drafts_since():
+    segments = torch.tensor([0, 0, 0, 1, 1])
+    assert torch.equal(draft_step_mask(segments, 1), block_causal_mask(segments))
+    step3 = draft_step_mask(segments, 3).int()
+    # Row 2 at step 3: step 1's row 0 (the prefix), step 2's row 1, itself; row 4 (segment 1): only itself
+    # and step 2's row 3 (a chain from before its segment began is not there).
+    assert step3[2].tolist() == [1, 0, 0, 0, 0] + [0, 1, 0, 0, 0] + [0, 0, 1, 0, 0]
+    assert step3[4].tolist() == [0, 0, 0, 0, 0] + [0, 0, 0, 1, 0] + [0, 0, 0, 0, 1]
+    assert index_in_segment(segments).tolist() == [0, 1, 2, 0, 1]
+
+
+def _drafted_chain(drafter, embeds, features, k: int, last_verified: int):
+    """What vLLM's drafter computes at draft step k after the target verified rows 0..last_verified of one
+    sequence: one causal forward per step over the prefix and the drafts so far, each draft row reading the
+    previous step's output as its feature (the reference ``unroll`` must equal)."""
+    rows_embeds, rows_features = list(embeds[:last_verified + 1]), list(features[:last_verified + 1])
+    for step in range(1, k + 1):
+        n = len(rows_embeds)
+        out = drafter(torch.stack(rows_embeds), torch.stack(rows_features), torch.arange(n),
+                      torch.zeros(n, dtype=torch.long))[-1]
+        if step < k:
+            rows_embeds.append(embeds[last_verified + step])
+            rows_features.append(out)
+    return out
+
+
+def test_unrolled_steps_compute_what_the_engine_drafts_at_each_depth():
+    drafter = EagleDrafter(LLAMA, seed=3)
+    with torch.no_grad():  # a drafter far from "copy the feature", so that the steps differ
+        for param in drafter.parameters():
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    drafter = drafter.to(torch.float64)  # its outputs grow large: compare the logic, not float32 rounding
+    g = torch.Generator().manual_seed(0)
+    lengths, h = [7, 5], LLAMA.hidden_size
+    embeds = torch.randn(12, h, generator=g, dtype=torch.float64)
+    features = torch.randn(12, h, generator=g, dtype=torch.float64)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    with torch.no_grad():
+        predictions, valid = drafter.unroll(embeds, features, positions, segments, steps=3)
+        torch.testing.assert_close(predictions[0], drafter(embeds, features, positions, segments))
+        assert [v.int().tolist() for v in valid] == [[1] * 12, [0] + [1] * 6 + [0] + [1] * 4,
+                                                     [0, 0] + [1] * 5 + [0, 0] + [1] * 3]
+        for start, n in ((0, 7), (7, 5)):
+            for k in (2, 3):
+                for row in range(k - 1, n):
+                    expected = _drafted_chain(drafter, embeds[start:start + n], features[start:start + n], k,
+                                              row - (k - 1))
+                    torch.testing.assert_close(predictions[k - 1][start + row], expected, atol=1e-9, rtol=1e-9)
+    assert not torch.allclose(predictions[1][3], predictions[0][3])
 
 
 def test_export_gives_detached_cpu_copies_that_round_trip():

@@ -167,3 +167,51 @@ def test_padding_rows_change_neither_the_real_rows_output_nor_the_drafter_loss(m
     assert padded["tokens"] == plain["tokens"] == 25
     assert padded["loss_sum"] == pytest.approx(plain["loss_sum"], rel=1e-5)
     assert padded["top1_sum"] == plain["top1_sum"]
+
+
+def _trainer(unroll_steps: int, embed):
+    from megatron_tlt.config import DrafterConfig
+    from megatron_tlt.drafter.trainer import DrafterTrainer
+
+    settings = DrafterConfig(lr=1e-3, buffer_tokens=256, pack_tokens=128, unroll_steps=unroll_steps)
+    trainer = DrafterTrainer(LLAMA, settings, seed=0)
+    trainer.set_policy_heads({"model.embed_tokens.weight": embed})
+    return trainer
+
+
+def test_unrolled_training_loss_is_the_mean_of_each_draft_steps_loss_on_its_valid_rows(monkeypatch):
+    from megatron_tlt.drafter import trainer as trainer_module
+    from megatron_tlt.drafter.loss import drafter_loss
+
+    embed = torch.randn(LLAMA.vocab_size, H, generator=torch.Generator().manual_seed(5))
+    sequences = [_sequence(n, seed) for seed, n in enumerate([20, 9, 3])]
+    token_ids, features = [ids.tolist() for ids, _ in sequences], [f for _, f in sequences]
+    (pack,) = pack_sequences(sequences, max_tokens=128)
+    once, unrolled = _trainer(1, embed), _trainer(3, embed)
+    drafter = once.drafter
+    with torch.no_grad():
+        first = drafter(embed[pack.input_ids_t], pack.features_th, pack.position_ids_t, pack.segment_ids_t)
+        plain_loss, _ = drafter_loss(first, pack.target_features_th, embed)
+        predictions, valid = drafter.unroll(embed[pack.input_ids_t], pack.features_th, pack.position_ids_t,
+                                            pack.segment_ids_t, 3)
+        expected = sum(float(drafter_loss(p[v], pack.target_features_th[v], embed)[0])
+                       for p, v in zip(predictions, valid)) / 3
+    # unroll_steps=1 is EAGLE-1's loss, unchanged; the 3-token sequence has one row, in step 1 only
+    assert pack.num_tokens == 18 + 7 + 1
+    assert once.evaluate(token_ids, features)["loss_sum"] == pytest.approx(float(plain_loss) * 26, rel=1e-5)
+    assert [int(v.sum()) for v in valid] == [26, 17 + 6, 16 + 5]
+    result = unrolled.evaluate(token_ids, features)
+    assert result["loss_sum"] == pytest.approx(expected * 26, rel=1e-5)
+    assert result["top1_sum"] == once.evaluate(token_ids, features)["top1_sum"]  # step 1's agreement
+    monkeypatch.setattr(trainer_module, "row_multiple", lambda precision: 16)  # padding rows stay out of every step
+    assert unrolled.evaluate(token_ids, features)["loss_sum"] == pytest.approx(result["loss_sum"], rel=1e-5)
+
+
+def test_unrolled_training_steps_on_packs_too_short_to_unroll():
+    embed = torch.randn(LLAMA.vocab_size, H, generator=torch.Generator().manual_seed(5))
+    trainer = _trainer(4, embed)
+    short = [_sequence(3, seed) for seed in range(4)]  # one row each: steps 2-4 have no valid row
+    trainer.add_sequences([ids.tolist() for ids, _ in short], [f for _, f in short])
+    before = [p.detach().clone() for p in trainer.drafter.parameters()]
+    assert trainer.micro_step() == 4
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.drafter.parameters()))
