@@ -1,5 +1,5 @@
 """The EAGLE drafter's trainer on the GPU: in bf16, and in FP8 through Transformer Engine where both are
-there, a few micro-steps on one fixed pack lower its loss."""
+there, a few micro-steps on one fixed pack lower its loss, with and without unrolling over draft steps."""
 
 import pytest
 import torch
@@ -31,13 +31,15 @@ def _next_token_target_sequences():
     return target, token_ids, features
 
 
+@pytest.mark.parametrize("unroll_steps", [1, 4])
 @pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=pytest.mark.needs("fp8"))])
-def test_drafter_micro_steps_on_cuda_lower_the_loss_on_a_fixed_pack(precision):
+def test_drafter_micro_steps_on_cuda_lower_the_loss_on_a_fixed_pack(precision, unroll_steps):
     from megatron_tlt.drafter.precision import resolve_precision
     from megatron_tlt.config import DrafterConfig
     from megatron_tlt.drafter.trainer import DrafterTrainer
 
-    settings = DrafterConfig(lr=3e-3, buffer_tokens=4096, pack_tokens=1024, hidden_weight=1.0, ce_weight=0.1)
+    settings = DrafterConfig(lr=3e-3, buffer_tokens=4096, pack_tokens=1024, hidden_weight=1.0, ce_weight=0.1,
+                             unroll_steps=unroll_steps)
     trainer = DrafterTrainer(LLAMA, settings, seed=0, precision=resolve_precision(precision))
     heads, token_ids, features = _next_token_target_sequences()
     trainer.set_policy_heads(heads)
