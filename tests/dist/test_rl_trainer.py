@@ -249,9 +249,11 @@ def tp2_run(env, tp2_cache, spot_run, tmp_path_factory):
     one vLLM engine over both ranks, speculating with BEG-MAB from a drafter whose weights are all zeros.
 
     Peers lost drafter weights in a weight sync without a sound (acceptance fell to ~0). All-zero weights
-    are such a loss: the drafter then proposes token 0, which the policy never picks, so no draft is
-    accepted, and the check of every rollout after a sync and drafter push must say so (the default check:
-    no greedy probe). Returns (run directory, stderr).
+    are such a loss: the drafter's distribution is then uniform and its argmax token 0, which the policy
+    never picks, so no argmax draft is accepted, and the check of every rollout after a sync and drafter push
+    must say so (the default check: no greedy probe). Drafts are argmax here: a draw from the uniform
+    distribution would be accepted with sum min(p, 1/V), which is ~0 for a real vocabulary but not for this
+    barely trained policy over 318 tokens. Returns (run directory, stderr).
     """
     from safetensors.torch import load_file, save_file
 
@@ -263,7 +265,7 @@ def tp2_run(env, tp2_cache, spot_run, tmp_path_factory):
     result = _train(env, *SMALL, "trainer.steps=2", "trainer.save_every=2", "parallel.tensor_parallel_size=2",
                     "parallel.data_parallel_size=1", "parallel.sequence_parallel=true", "trainer.recompute=full",
                     "optimizer.distributed=true", "trainer.capture_hidden_states=true", "drafter.speculative_tokens=2",
-                    "speculation.adaptive=true", f"drafter.init_dir={zeroed}",
+                    "speculation.adaptive=true", "speculation.draft_sampling=greedy", f"drafter.init_dir={zeroed}",
                     f"warmup.cache_dir={tp2_cache}", f"trainer.run_dir={run_dir}")
     return run_dir, result.stderr
 
