@@ -484,7 +484,10 @@ def test_speculative_rollouts_with_beg_mab_report_depths_and_keep_the_bandit_acr
     assert all(r["drafter/tokens_trained"][0] > 0 for r in records[1:])  # it trains while speculation runs with it
     # the console's estimate of the rollout's speedup over depth 0, once the bandit has rates for it
     estimates = [r["spec/rollout_speedup_vs_depth0"] for r in records if "spec/rollout_speedup_vs_depth0" in r]
-    assert estimates and all(0.0 < e < 3.0 for e in estimates), estimates  # depth <= 2: at most 3 tokens a step
+    # Positive and finite only: it is a ratio of measured step times, so no bound holds on a loaded machine
+    # (at depth <= 2 it is near 3 tokens a step at most, yet one suite run read 3.08).
+    # Its arithmetic is tested with injected rates in tests/unit/test_speedup_estimate.py.
+    assert estimates and all(0.0 < e < math.inf for e in estimates), estimates
     for record in records:  # every engine step ran at a depth the bandit may choose, logged per step
         assert set(record["spec/engine_steps_by_depth"]) <= {"0", "1", "2"}
         assert len(record["spec/best_depth_by_bucket"]) == 2  # one bandit per rank's engine
