@@ -56,15 +56,6 @@ def policy_rope_inv_freq(arch: PolicyArchitecture) -> tuple[torch.Tensor, float]
     return inv_freq.float(), float(attention_scaling)
 
 
-def block_causal_mask(segment_ids_t: torch.Tensor) -> torch.Tensor:
-    """[t, t] bool, True where row i may attend to row j: same segment and j <= i.
-
-    Causality is by row order, so each segment's rows must be contiguous and in sequence order.
-    """
-    same_segment_tt = segment_ids_t[:, None] == segment_ids_t[None, :]
-    return torch.tril(same_segment_tt)
-
-
 def index_in_segment(segment_ids_t: torch.Tensor) -> torch.Tensor:
     """Each row's index within its own segment (segments are contiguous runs of rows)."""
     rows_t = torch.arange(segment_ids_t.numel(), device=segment_ids_t.device)
@@ -74,21 +65,27 @@ def index_in_segment(segment_ids_t: torch.Tensor) -> torch.Tensor:
     return rows_t - segment_start_t
 
 
-def draft_step_mask(segment_ids_t: torch.Tensor, step: int) -> torch.Tensor:
-    """[t, step * t] bool: what row s may attend to at draft step ``step`` (1-based), over the rows of steps
-    1..step side by side, as vLLM's drafter attends at that step.
+def draft_step_masks(segment_ids_t: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """For each draft step k = 1..``steps``, a [t, k * t] bool mask: what row s may attend to at that step, over
+    the rows of steps 1..k side by side, as vLLM's drafter attends.
 
     At step k the row s drafts k - 1 positions past the last token the target verified: it sees that prefix,
     which is step 1's rows j <= s - (k - 1) (made from the policy's own features), and the chain of drafts
-    since, which is step m's row s - (k - m) for m = 2..k (itself at m = k); never another segment.
-    Step 1 is ``block_causal_mask``.
+    since, which is step m's row s - (k - m) for m = 2..k (itself at m = k); never another segment. Step 1's
+    mask is block-causal. Causality is by row order, so each segment's rows must be contiguous and in
+    sequence order.
     """
     rows_t = torch.arange(segment_ids_t.numel(), device=segment_ids_t.device)
     same_segment_tt = segment_ids_t[:, None] == segment_ids_t[None, :]
     behind_tt = rows_t[:, None] - rows_t[None, :]  # s - j
-    blocks = [same_segment_tt & (behind_tt >= step - 1)]
-    blocks += [same_segment_tt & (behind_tt == step - m) for m in range(2, step + 1)]
-    return torch.cat(blocks, dim=1)
+    # Row s - d of one later step, d = 0 .. steps - 2: made once, shared by every step's chain.
+    chain_row = [same_segment_tt & (behind_tt == d) for d in range(steps - 1)]
+    masks = []
+    for k in range(1, steps + 1):
+        prefix_tt = torch.tril(same_segment_tt, diagonal=1 - k)  # step 1's rows j <= s - (k - 1)
+        drafts = [chain_row[k - m] for m in range(2, k + 1)]  # step m's row s - (k - m)
+        masks.append(torch.cat([prefix_tt, *drafts], dim=1))
+    return masks
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -243,7 +240,7 @@ class EagleDrafter(nn.Module):
         """The drafter's predictions at draft steps 1..``steps`` for every row, computed as vLLM drafts them
         (training-time test, as EAGLE-3 and HASS train): step 1 is ``forward``; at step k row s reads, in
         place of the policy's feature f_s, the drafter's own step k-1 output at row s-1 (its prediction of
-        f_s), and attends as ``draft_step_mask`` says. Every step predicts the same targets f_{s+1}.
+        f_s), and attends as ``draft_step_masks`` says. Every step predicts the same targets f_{s+1}.
 
         Returns ``(predictions, valid)``: per step a [t, h] prediction and a [t] bool that is False for the
         first k-1 rows of each segment (no draft chain that long starts inside the segment).
@@ -254,6 +251,7 @@ class EagleDrafter(nn.Module):
             raise ValueError(f"token_embeds_th {tuple(token_embeds_th.shape)} and features_th "
                              f"{tuple(features_th.shape)} must both be [tokens, hidden]")
         rows_in_segment_t = index_in_segment(segment_ids_t)
+        masks = draft_step_masks(segment_ids_t, steps)
         kv_cache: list = []
         predictions, valid = [], []
         step_features_th = features_th
@@ -263,7 +261,7 @@ class EagleDrafter(nn.Module):
             fused_th = self.fc(torch.cat((token_embeds_th, step_features_th), dim=-1).to(self.dtype))  # embedding first
             if step == 1:
                 cos, sin = self.rotary_cos_sin(position_ids_t, fused_th.dtype)
-            predictions.append(self.layers[0](fused_th, cos, sin, draft_step_mask(segment_ids_t, step), kv_cache))
+            predictions.append(self.layers[0](fused_th, cos, sin, masks[step - 1], kv_cache))
             valid.append(rows_in_segment_t >= step - 1)
         return predictions, valid
 

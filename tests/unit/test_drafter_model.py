@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_tlt.drafter.model import EagleDrafter, block_causal_mask, draft_step_mask, index_in_segment
+from megatron_tlt.drafter.model import EagleDrafter, draft_step_masks, index_in_segment
 from megatron_tlt.model_config import architecture_from_dict
 from megatron_tlt.spec.eagle import DrafterMismatch, eagle_drafter_config, expected_drafter_shapes, validate_drafter
 from megatron_tlt.tiny_models import TINY_LLAMA, TINY_QWEN2, next_token_fixture
@@ -89,8 +89,8 @@ def test_drafter_layer_matches_transformers_llama_attention_and_mlp():
     torch.testing.assert_close(ours, reference[0], atol=2e-3, rtol=1e-4)
 
 
-def test_block_causal_mask_never_crosses_a_segment():
-    mask = block_causal_mask(torch.tensor([0, 0, 1, 1, 1]))
+def test_the_first_draft_steps_mask_is_block_causal_and_never_crosses_a_segment():
+    (mask,) = draft_step_masks(torch.tensor([0, 0, 1, 1, 1]), 1)
     expected = torch.tensor([[1, 0, 0, 0, 0],
                              [1, 1, 0, 0, 0],
                              [0, 0, 1, 0, 0],
@@ -101,8 +101,11 @@ def test_block_causal_mask_never_crosses_a_segment():
 
 def test_draft_step_masks_see_the_verified_prefix_and_the_chain_of_drafts_since():
     segments = torch.tensor([0, 0, 0, 1, 1])
-    assert torch.equal(draft_step_mask(segments, 1), block_causal_mask(segments))
-    step3 = draft_step_mask(segments, 3).int()
+    step1, step2, step3 = draft_step_masks(segments, 3)
+    assert torch.equal(step1, draft_step_masks(segments, 1)[0])  # the masks do not depend on how deep one unrolls
+    # Row 2 at step 2: step 1's rows 0 and 1 (the prefix), itself.
+    assert step2.int()[2].tolist() == [1, 1, 0, 0, 0] + [0, 0, 1, 0, 0]
+    step3 = step3.int()
     # Row 2 at step 3: step 1's row 0 (the prefix), step 2's row 1, itself; row 4 (segment 1): only itself
     # and step 2's row 3 (a chain from before its segment began is not there).
     assert step3[2].tolist() == [1, 0, 0, 0, 0] + [0, 1, 0, 0, 0] + [0, 0, 1, 0, 0]
