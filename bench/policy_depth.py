@@ -76,6 +76,7 @@ def main() -> None:
     from megatron_tlt.rl.rank_session import RankSession
     from megatron_tlt.rl.weight_sync import iter_hf_tensors
     from megatron_tlt.spec.engine import RolloutEngine, SpeculativeSettings
+    from megatron_tlt.spec.metrics import SpecDecodeStats
 
     config = load_config(CONFIG, args.overrides)
     drafter_dir = cold_start_drafter(CONFIG, args.overrides)  # made and cached on first use
@@ -130,9 +131,10 @@ def main() -> None:
             plain_rate, spec_rate = plain_tokens / plain_seconds, spec_tokens / spec_seconds
             step_cost = (spec_seconds / spec_steps) / (plain_seconds / plain_steps)
             plain_ms = 1000 * plain_seconds / plain_steps
+            acceptance = SpecDecodeStats(num_drafts=drafts, num_accepted_tokens=accepted)  # over all rounds
             print(f"{layers:3d} layers: plain {plain_rate:6.0f} tok/s, {plain_ms:5.2f} ms/step | "
                   f"K={args.depth} {spec_rate:6.0f} tok/s, a step costs {step_cost:.2f} plain steps, acceptance length "
-                  f"{1 + accepted / max(drafts, 1):.2f} | speedup {spec_rate / plain_rate:.2f}x", flush=True)
+                  f"{acceptance.mean_acceptance_length:.2f} | speedup {spec_rate / plain_rate:.2f}x", flush=True)
             plain.close()
             spec.close()
         session.close()
