@@ -6,7 +6,8 @@ beside them the skeptic's baseline: the same speculation with the drafter frozen
     python bench/tlt_end_to_end.py --no-frozen           # only TLT off and TLT on
     python bench/tlt_end_to_end.py --steps 10 --repeats 2 # off, on, frozen, frozen, on, off: drift cancels
 
-Both runs use the same seeds and the same number of steps. TLT on starts its drafter from the benchmarks'
+Both runs use the same seeds and the same number of steps; each repeat draws other samples
+(``rollout.sampling_seed``), the same for every arm where a seed fixes them. TLT on starts its drafter from the benchmarks'
 cached warm-up drafter of the initial policy (``commands/start.cold_start_drafter``, made on first use, as ``tlt bench
 rollout`` does), speculates up to depth ``--depth`` with BEG-MAB choosing per engine step, and trains the drafter
 on idle ranks. The frozen run is TLT on without the spot trainer: its drafter stays the cold-start one
@@ -46,6 +47,12 @@ def _seconds(runs: dict[str, list[list[dict]]], arm: str, key: str, repeat: int 
     return sum(r[key] for records in chosen for r in records[1:])
 
 
+def _mean_records(repeats: list[list[dict]]) -> list[dict]:
+    """Per step, the mean over the repeats of the curves the bench prints."""
+    keys = ("reward_mean", "accuracy", "spec/mean_acceptance_length")
+    return [{key: statistics.fmean(r[key] for r in step) for key in keys if key in step[0]} for step in zip(*repeats)]
+
+
 def _window_mean(records: list[dict], key: str, start: int, end: int) -> float:
     return statistics.fmean(r[key] for r in records[start:end])
 
@@ -82,8 +89,12 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for repeat in range(args.repeats):
+            # Every repeat draws other samples, the same in every arm where a seed fixes them: TLT off's draws
+            # are fixed by the seed, TLT on's are not (the engine's RNG), so one seed for all repeats would
+            # compare TLT on's average over draws with a single draw of TLT off.
+            draws = [f"rollout.sampling_seed={repeat}"]
             for arm in (list(arms) if repeat % 2 == 0 else list(arms)[::-1]):
-                runs[arm].append(_run(root / f"{arm}-{repeat + 1}", arms[arm]))
+                runs[arm].append(_run(root / f"{arm}-{repeat + 1}", arms[arm] + draws))
     def seconds(arm: str, key: str, repeat: int | None = None) -> float:
         return _seconds(runs, arm, key, repeat)
 
@@ -95,12 +106,13 @@ def main() -> None:
             line += f"   frozen {c:8.2f}s  speedup {a / c:5.2f}x"
         print(line)
     if args.repeats > 1:
-        print("  step time TLT off / on per repeat: " + ", ".join(
-            f"{seconds('off', 'step_seconds', i) / seconds('on', 'step_seconds', i):.3f}x" for i in range(args.repeats)))
-    off, on, frozen = runs["off"][0], runs["on"][0], runs["frozen"][0] if args.frozen else None
+        ratios = [seconds("off", "step_seconds", i) / seconds("on", "step_seconds", i) for i in range(args.repeats)]
+        print("  step time TLT off / on per repeat: " + ", ".join(f"{r:.3f}x" for r in ratios) +
+              f"; mean {statistics.fmean(ratios):.3f}x (SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f})")
+    off, on = _mean_records(runs["off"]), _mean_records(runs["on"])
     rollout_share = seconds("off", "rollout_seconds") / seconds("off", "step_seconds")
     print(f"  rollout share of a TLT-off step: {rollout_share:.1%}")
-    print("  step   reward off / on    accuracy off / on    acceptance (TLT on)")
+    print(f"  step   reward off / on    accuracy off / on    acceptance (TLT on), means over {args.repeats} repeat(s)")
     chunk = max(1, args.steps // 8)
     for start in range(0, args.steps, chunk):
         end = min(start + chunk, args.steps)
@@ -111,10 +123,15 @@ def main() -> None:
               f"          {statistics.fmean(accept):.2f}")
     half = args.steps // 2
     print(f"  last {args.steps - half} steps: reward off {_window_mean(off, 'reward_mean', half, args.steps):.3f}, "
-          f"on {_window_mean(on, 'reward_mean', half, args.steps):.3f}; reward std over steps (off) "
-          f"{statistics.stdev(r['reward_mean'] for r in off[half:]):.3f}")
+          f"on {_window_mean(on, 'reward_mean', half, args.steps):.3f}; reward std over steps (off, repeat 1) "
+          f"{statistics.stdev(r['reward_mean'] for r in runs['off'][0][half:]):.3f}")
+    if args.repeats > 1:  # paired: each repeat's TLT on against its TLT off, on the same prompts
+        gaps = [_window_mean(b, "reward_mean", half, args.steps) - _window_mean(a, "reward_mean", half, args.steps)
+                for a, b in zip(runs["off"], runs["on"])]
+        print(f"  reward on - off over those steps, per repeat: mean {statistics.fmean(gaps):+.3f} "
+              f"(SE {statistics.stdev(gaps) / len(gaps) ** 0.5:.3f})")
     total = seconds("off", "step_seconds") / seconds("on", "step_seconds")
-    if frozen is not None:
+    if args.frozen:
         _print_frozen_baseline(runs, half)
     print(f"end-to-end step time, TLT off / on over steps 2-{args.steps}: {total:.3f}x")
 

@@ -260,6 +260,11 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_response_tokens: int = 192
+    sampling_seed: int | None = None
+    """Base of the training rollouts' per-request sampling seeds (None: trainer.seed). Another value draws other
+    samples of the same prompts from the same start, policy and drafter caches alike (trainer.seed keys those);
+    bench/tlt_end_to_end.py changes it every repeat so that TLT off, whose draws a seed fixes, is averaged over
+    draws as TLT on is. Held-out evaluation keeps trainer.seed's draws, comparable across runs."""
     engine: RolloutEngineConfig = dataclasses.field(default_factory=RolloutEngineConfig)
     """The colocated vLLM engine of each rank."""
 

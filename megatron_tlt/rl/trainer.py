@@ -83,6 +83,8 @@ class RLTrainer:
 
     def __init__(self, config: TLTConfig, run_dir: Path, *, resume: bool):
         self.config, self.run_dir = config, run_dir
+        sampling_seed = config.rollout.sampling_seed
+        self._sampling_seed = config.trainer.seed if sampling_seed is None else sampling_seed
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = mcore.data_parallel_rank(), mcore.data_parallel_size()
         self.mp_group = mcore.model_parallel_group()
@@ -213,7 +215,7 @@ class RLTrainer:
         result = self.engine.generate(  # the ranks of one engine sample with one seed: the same responses
             [e.prompt_ids for e in mine],
             self.session.sampling(n=self.config.rollout.samples_per_prompt, temperature=self.config.rollout.temperature,
-                                  seed=_rollout_seed(self.config.trainer.seed, step, self.placement.leader_rank)),
+                                  seed=_rollout_seed(self._sampling_seed, step, self.placement.leader_rank)),
             on_finished=streamed.on_finished if streamed is not None else None,
         ) if mine else None
         done = time.time()
