@@ -5,6 +5,7 @@ beside them the skeptic's baseline: the same speculation with the drafter frozen
     python bench/tlt_end_to_end.py --steps 20 -- rollout.max_response_tokens=256
     python bench/tlt_end_to_end.py --no-frozen           # only TLT off and TLT on
     python bench/tlt_end_to_end.py --steps 10 --repeats 2 # off, on, frozen, frozen, on, off: drift cancels
+    python bench/tlt_end_to_end.py --no-frozen --variant goodput speculation.policy=goodput   # another TLT-on arm
 
 Both runs use the same seeds and the same number of steps; each repeat draws other samples
 (``rollout.sampling_seed``), the same for every arm where a seed fixes them. TLT on starts its drafter from the benchmarks'
@@ -69,10 +70,16 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep the runs' directories under this one (off-1/, on-1/, frozen-1/, ...) instead of a "
                              "temporary one")
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                        help="one more TLT-on arm: a name, then its overrides on top of TLT on's, e.g. --variant "
+                             "goodput speculation.policy=goodput (repeatable; put the shared overrides after --)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = parser.parse_args()
     if args.repeats < 1 or args.steps < 2:
         parser.error("--repeats must be >= 1 and --steps >= 2 (step 1 is left out of the times)")
+    variants = {name: extra for name, *extra in args.variant}
+    if len(variants) != len(args.variant) or {"off", "on", "frozen"} & set(variants):
+        parser.error("--variant names must be distinct and none of off, on, frozen")
     if args.drafter is None:
         from megatron_tlt.commands.start import cold_start_drafter
 
@@ -85,6 +92,7 @@ def main() -> None:
     arms = {"off": common + tlt_off, "on": common + tlt_on}
     if args.frozen:
         arms["frozen"] = common + tlt_on + ["drafter.spot_training=false"]
+    arms |= {name: common + tlt_on + extra for name, extra in variants.items()}
     runs: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
     with contextlib.ExitStack() as stack:
         root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -123,8 +131,9 @@ def main() -> None:
               f"          {statistics.fmean(accept):.2f}")
     half = args.steps // 2
     print(f"  last {args.steps - half} steps: reward off {_window_mean(off, 'reward_mean', half, args.steps):.3f}, "
-          f"on {_window_mean(on, 'reward_mean', half, args.steps):.3f}; reward std over steps (off, repeat 1) "
-          f"{statistics.stdev(r['reward_mean'] for r in runs['off'][0][half:]):.3f}")
+          f"on {_window_mean(on, 'reward_mean', half, args.steps):.3f}" + (
+              f"; reward std over steps (off, repeat 1) {statistics.stdev(r['reward_mean'] for r in off_tail):.3f}"
+              if len(off_tail := runs["off"][0][half:]) > 1 else ""))
     if args.repeats > 1:  # paired: each repeat's TLT on against its TLT off, on the same prompts
         gaps = [_window_mean(b, "reward_mean", half, args.steps) - _window_mean(a, "reward_mean", half, args.steps)
                 for a, b in zip(runs["off"], runs["on"])]
@@ -133,6 +142,8 @@ def main() -> None:
     total = seconds("off", "step_seconds") / seconds("on", "step_seconds")
     if args.frozen:
         _print_frozen_baseline(runs, half)
+    for name in variants:
+        _print_variant(runs, name)
     print(f"end-to-end step time, TLT off / on over steps 2-{args.steps}: {total:.3f}x")
 
 
@@ -149,6 +160,17 @@ def _print_frozen_baseline(runs: dict[str, list[list[dict]]], half: int) -> None
     print(f"  step time TLT off / frozen drafter: "
           f"{_seconds(runs, 'off', 'step_seconds') / _seconds(runs, 'frozen', 'step_seconds'):.3f}x; rollout "
           f"{_seconds(runs, 'off', 'rollout_seconds') / _seconds(runs, 'frozen', 'rollout_seconds'):.3f}x")
+
+
+def _print_variant(runs: dict[str, list[list[dict]]], name: str) -> None:
+    """A --variant arm against TLT off and TLT on: step and rollout time ratios, per repeat with their spread."""
+    for base in ("off", "on"):
+        ratios = [_seconds(runs, base, "step_seconds", i) / _seconds(runs, name, "step_seconds", i)
+                  for i in range(len(runs[name]))]
+        spread = f" (SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f})" if len(ratios) > 1 else ""
+        print(f"  step time {base} / {name}: {_seconds(runs, base, 'step_seconds') / _seconds(runs, name, 'step_seconds'):.3f}x, "
+              f"per repeat mean {statistics.fmean(ratios):.3f}x{spread}; rollout "
+              f"{_seconds(runs, base, 'rollout_seconds') / _seconds(runs, name, 'rollout_seconds'):.3f}x")
 
 
 if __name__ == "__main__":
