@@ -1,4 +1,4 @@
-"""End to end: the tiny default with TLT fully on (spot trainer + BEG-MAB speculation) vs TLT off, and
+"""End to end: the tiny default with TLT fully on (spot trainer + adaptive speculation) vs TLT off, and
 beside them the skeptic's baseline: the same speculation with the drafter frozen after its cold start.
 
     python bench/tlt_end_to_end.py                       # 40 steps each, the tiny default
@@ -10,8 +10,9 @@ beside them the skeptic's baseline: the same speculation with the drafter frozen
 Both runs use the same seeds and the same number of steps; each repeat draws other samples
 (``rollout.sampling_seed``), the same for every arm where a seed fixes them. TLT on starts its drafter from the benchmarks'
 cached warm-up drafter of the initial policy (``commands/start.cold_start_drafter``, made on first use, as ``tlt bench
-rollout`` does), speculates up to depth ``--depth`` with BEG-MAB choosing per engine step, and trains the drafter
-on idle ranks. The frozen run is TLT on without the spot trainer: its drafter stays the cold-start one
+rollout`` does), speculates up to depth ``--depth`` with the config's depth policy choosing per engine step (the
+default's goodput model; ``--variant bandit speculation.policy=bandit`` races TLT's BEG-MAB beside it), and
+trains the drafter on idle ranks. The frozen run is TLT on without the spot trainer: its drafter stays the cold-start one
 (in-domain, not random), so the acceptance ratio online / frozen is what training on idle ranks adds.
 With ``--repeats R`` every arm runs R times, in an order reversed every other repeat (ABBA), so a machine
 that drifts slower or faster during the benchmark weighs on every arm alike; times are summed over the
@@ -61,7 +62,7 @@ def _window_mean(records: list[dict], key: str, start: int, end: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--depth", type=int, default=4, help="deepest speculation BEG-MAB may choose")
+    parser.add_argument("--depth", type=int, default=4, help="deepest speculation the depth policy may choose")
     parser.add_argument("--drafter", default=None, help="initial drafter directory (default: the cached warm-up)")
     parser.add_argument("--no-frozen", dest="frozen", action="store_false",
                         help="skip the frozen-drafter run (speculation with the cold-start drafter, no spot training)")
