@@ -11,7 +11,7 @@ Both runs use the same seeds and the same number of steps; each repeat draws oth
 (``rollout.sampling_seed``), the same for every arm where a seed fixes them. TLT on starts its drafter from the benchmarks'
 cached warm-up drafter of the initial policy (``commands/start.cold_start_drafter``, made on first use, as ``tlt bench
 rollout`` does), speculates up to depth ``--depth`` with the config's depth policy choosing per engine step (the
-default's goodput model; ``--variant bandit speculation.policy=bandit`` races TLT's BEG-MAB beside it), and
+default's BEG-MAB; ``--variant goodput speculation.policy=goodput`` races the goodput model beside it), and
 trains the drafter on idle ranks. The frozen run is TLT on without the spot trainer: its drafter stays the cold-start one
 (in-domain, not random), so the acceptance ratio online / frozen is what training on idle ranks adds.
 With ``--repeats R`` every arm runs R times, in an order reversed every other repeat (ABBA), so a machine
