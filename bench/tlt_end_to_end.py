@@ -8,12 +8,13 @@ beside them the skeptic's baseline: the same speculation with the drafter frozen
     python bench/tlt_end_to_end.py --no-frozen --variant goodput speculation.policy=goodput   # another TLT-on arm
 
 Both runs use the same seeds and the same number of steps; each repeat draws other samples
-(``rollout.sampling_seed``), the same for every arm where a seed fixes them. TLT on starts its drafter from the benchmarks'
-cached warm-up drafter of the initial policy (``commands/start.cold_start_drafter``, made on first use, as ``tlt bench
-rollout`` does), speculates up to depth ``--depth`` with the config's depth policy choosing per engine step (the
-default's BEG-MAB; ``--variant goodput speculation.policy=goodput`` races the goodput model beside it), and
-trains the drafter on idle ranks. The frozen run is TLT on without the spot trainer: its drafter stays the cold-start one
-(in-domain, not random), so the acceptance ratio online / frozen is what training on idle ranks adds.
+(``rollout.sampling_seed``), the same for every arm where a seed fixes them. TLT on starts its drafter from the
+benchmarks' cached warm-up drafter of the initial policy (``commands/start.cold_start_drafter``, made on first
+use, as ``tlt bench rollout`` does), speculates up to depth ``--depth`` with the config's depth policy choosing
+per engine step (the default's BEG-MAB; ``--variant goodput speculation.policy=goodput`` races the goodput model
+beside it), and trains the drafter on idle ranks. The frozen run is TLT on without the spot trainer: its drafter
+stays the cold-start one (in-domain, not random), so the acceptance ratio online / frozen is what training on
+idle ranks adds.
 With ``--repeats R`` every arm runs R times, in an order reversed every other repeat (ABBA), so a machine
 that drifts slower or faster during the benchmark weighs on every arm alike; times are summed over the
 repeats and each repeat's ratio is printed too. Prints the step-time ratio (total and per phase), and the
@@ -169,9 +170,10 @@ def _print_variant(runs: dict[str, list[list[dict]]], name: str) -> None:
         ratios = [_seconds(runs, base, "step_seconds", i) / _seconds(runs, name, "step_seconds", i)
                   for i in range(len(runs[name]))]
         spread = f" (SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f})" if len(ratios) > 1 else ""
-        print(f"  step time {base} / {name}: {_seconds(runs, base, 'step_seconds') / _seconds(runs, name, 'step_seconds'):.3f}x, "
-              f"per repeat mean {statistics.fmean(ratios):.3f}x{spread}; rollout "
-              f"{_seconds(runs, base, 'rollout_seconds') / _seconds(runs, name, 'rollout_seconds'):.3f}x")
+        step = _seconds(runs, base, "step_seconds") / _seconds(runs, name, "step_seconds")
+        rollout = _seconds(runs, base, "rollout_seconds") / _seconds(runs, name, "rollout_seconds")
+        print(f"  step time {base} / {name}: {step:.3f}x, per repeat mean {statistics.fmean(ratios):.3f}x{spread}; "
+              f"rollout {rollout:.3f}x")
 
 
 if __name__ == "__main__":
