@@ -100,12 +100,13 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
 
 def _speculation_fields(per_rank: list[RankStepReport]) -> dict:
     stats = [p.spec for p in per_rank if p.spec is not None]
-    drafts = sum(s.num_drafts for s in stats)
-    if drafts == 0:
+    # Summed over the engines; SpecDecodeStats owns the rates' formulas.
+    total = SpecDecodeStats(num_drafts=sum(s.num_drafts for s in stats),
+                            num_draft_tokens=sum(s.num_draft_tokens for s in stats),
+                            num_accepted_tokens=sum(s.num_accepted_tokens for s in stats))
+    if total.num_drafts == 0:
         return {}
-    accepted = sum(s.num_accepted_tokens for s in stats)
-    record = {"spec/mean_acceptance_length": 1.0 + accepted / drafts,
-              "spec/acceptance_rate": accepted / max(1, sum(s.num_draft_tokens for s in stats))}
+    record = {"spec/mean_acceptance_length": total.mean_acceptance_length, "spec/acceptance_rate": total.acceptance_rate}
     depths = [d for p in per_rank for d in p.step_depths]
     if depths:  # BEG-MAB: how often each depth ran, and each engine's best depth per batch-size bucket
         engines = [p for p in per_rank if p.bandit is not None]  # their leaders' reports

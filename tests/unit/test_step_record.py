@@ -76,3 +76,12 @@ def test_the_rollouts_speedup_estimate_is_the_slowest_engines_depth0_time_over_t
     # an engine that drafted without an estimate leaves the field out; one that never drafted counts as 1x
     assert "spec/rollout_speedup_vs_depth0" not in _record(_engine(0, 2.0, 1.5), _engine(1, 1.0, None))
     assert _record(_engine(0, 1.0, 1.5), _engine(1, 2.0, None, drafts=0))["spec/rollout_speedup_vs_depth0"] == 1.0
+
+
+def test_acceptance_pools_every_engines_drafts_not_their_rates():
+    busy = SpecDecodeStats(num_drafts=30, num_draft_tokens=120, num_accepted_tokens=90)  # length 4.0, rate 0.75
+    idle = SpecDecodeStats(num_drafts=10, num_draft_tokens=40, num_accepted_tokens=10)  # length 2.0, rate 0.25
+    record = _record(_report(0, spec=busy), _report(1, spec=idle))
+    assert record["spec/mean_acceptance_length"] == 1 + 100 / 40  # not the mean of 4.0 and 2.0
+    assert record["spec/acceptance_rate"] == 100 / 160
+    assert "spec/mean_acceptance_length" not in _record(_report(0, spec=SpecDecodeStats()))  # speculation off
