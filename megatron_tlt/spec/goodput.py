@@ -10,12 +10,9 @@ B, so the step's goodput is sum_i E_i(K) / t(B, K). Both parts are estimated apa
     Requests differ a lot (a copied line is easy to draft, a fresh number is not), and in the long tail the
     few requests still live are the ones that set the rollout's makespan: the depth is chosen for them, not
     for the average request of the whole rollout, which a reward window per bucket remembers;
-  * cost, t(B, K) = c0 + c1 B + c2 K + c3 B K + c4 [K > 0], fitted by least squares on the clean decode steps of
-    every depth and batch size (one outlier pass: a GC pause or a weight sync must not bend the line). One fit
-    shares what each depth's steps say about the others, where the bandit learns each (bucket, depth) cell
-    alone. The last term is the fixed cost of speculating at all (the drafter's first pass, the rejection
-    sampler): without it the line through the deep depths, which most steps run, missed depth 0 and the
-    rollout's estimated speedup over it read up to 5x (bench/RESULTS.md, session 32).
+  * cost, t(B, K) = c0 + c1 B + c2 K + c3 B K, fitted by least squares on the clean decode steps of every
+    depth and batch size (one outlier pass: a GC pause or a weight sync must not bend the line). One fit shares
+    what each depth's steps say about the others, where the bandit learns each (bucket, depth) cell alone.
 
 Every depth gets ``min_observations`` clean steps before the fit is trusted, and a share ``epsilon`` of steps
 explores a depth next to the chosen one, so the fit keeps seeing the depths that compete as the batch shrinks
@@ -46,9 +43,6 @@ _GLOBAL_DECAY = 0.995
 """Per observed step: how much of the engine-wide acceptance counts is kept (it follows the drafter)."""
 _OUTLIER_MADS = 4.0
 _REFIT_EVERY = 16
-_NUM_COST_TERMS = 5
-"""Of the step-cost model (``_cost_terms``): a fit needs at least as many steps."""
-_FLOOR_SHARE = 0.5
 
 
 @dataclasses.dataclass
@@ -58,12 +52,6 @@ class _Drafts:
 
     def rate(self) -> float:
         return (self.accepted + 0.5) / (self.reached + 1.0)
-
-
-def _cost_terms(batch_size, depth) -> np.ndarray:
-    """The step-cost model's terms [1, B, K, B K, K > 0] (the last axis), for scalars or arrays of steps."""
-    b, k = np.asarray(batch_size, dtype=np.float64), np.asarray(depth, dtype=np.float64)
-    return np.stack(np.broadcast_arrays(np.ones_like(b), b, k, b * k, (k > 0).astype(np.float64)), axis=-1)
 
 
 class GoodputDepthModel:
@@ -90,11 +78,8 @@ class GoodputDepthModel:
         self._requests: dict[str, _Drafts] = {}
         self._pulls = {k: 0 for k in self._depths}
         self._in_window = collections.Counter()  # steps per depth in the window, kept as it slides
-        self._cost: np.ndarray | None = None  # c0, c1, c2, c3, c4
-        # Half the fastest step in the window at the last fit: no prediction goes below it (a line extrapolated
-        # far can reach 0). Not the fastest step itself: a depth-0 step of a lone request is cheaper than any
-        # step the window holds when the engine speculates, and clamping it there overrated speculation.
-        self._floor = 1e-6
+        self._cost: np.ndarray | None = None  # c0, c1, c2, c3
+        self._floor = 1e-6  # the fastest step in the window at the last fit: no prediction goes below it
         self._unfitted_steps = 0  # observed since the last fit
 
     # ------------------------------------------------------------------ what the engine reports
@@ -187,7 +172,7 @@ class GoodputDepthModel:
     @property
     def _ready(self) -> bool:
         """Whether the cost fit has steps enough to predict from."""
-        return self._cost is not None or len(self._steps) >= _NUM_COST_TERMS
+        return self._cost is not None or len(self._steps) >= 4
 
     def rate(self, batch_size: int, depth: int) -> float | None:
         """Predicted tokens per second at ``depth`` for ``batch_size`` average requests (None: not fitted yet)."""
@@ -206,23 +191,25 @@ class GoodputDepthModel:
         return len(ratios) + np.concatenate([[0.0], np.cumsum(reached_and_accepted)])
 
     def step_seconds(self, batch_size: int, depth: int) -> float:
-        """The fitted time of a step (never below half the fastest step observed, nor 0 before any)."""
+        """The fitted time of a step (never below the fastest step observed, nor 0 before any)."""
         if self._cost is None or self._unfitted_steps >= _REFIT_EVERY:
             self._cost, self._unfitted_steps = self._fit(), 0
-            self._floor = _FLOOR_SHARE * min((s for _, _, s in self._steps), default=2e-6)
+            self._floor = min((s for _, _, s in self._steps), default=1e-6)
         if self._cost is None:
             return self._floor
-        return max(self._floor, float(_cost_terms(batch_size, depth) @ self._cost))
+        c0, c1, c2, c3 = self._cost
+        return max(self._floor, float(c0 + c1 * batch_size + c2 * depth + c3 * batch_size * depth))
 
     def _fit(self) -> np.ndarray | None:
-        if len(self._steps) < _NUM_COST_TERMS:
+        if len(self._steps) < 4:
             return None
         rows = np.array(self._steps, dtype=np.float64)
-        design, t = _cost_terms(rows[:, 0], rows[:, 1]), rows[:, 2]
+        b, k, t = rows[:, 0], rows[:, 1], rows[:, 2]
+        design = np.stack([np.ones_like(b), b, k, b * k], axis=1)
         coef = np.linalg.lstsq(design, t, rcond=None)[0]
         residual = np.abs(t - design @ coef)
         keep = residual <= _OUTLIER_MADS * (np.median(residual) * 1.4826 + 1e-9)  # drop the outliers, fit again
-        return np.linalg.lstsq(design[keep], t[keep], rcond=None)[0] if keep.sum() >= _NUM_COST_TERMS else coef
+        return np.linalg.lstsq(design[keep], t[keep], rcond=None)[0] if keep.sum() >= 4 else coef
 
     # ------------------------------------------------------------------ reports and state
 
