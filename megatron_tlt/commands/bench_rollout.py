@@ -168,7 +168,7 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
             figures = _figures(runs, summaries[BANDIT], settings.prompts, sampled=settings.sampled)
             figures["goodput"] = summaries[GOODPUT]
             figures["vllm_table"] = [list(entry) for entry in table]
-            figures["seconds_by_bucket"] = _seconds_by_bucket(runs, bandit)
+            figures["seconds_by_bucket"], figures["step_ms_by_bucket"] = _by_bucket(runs, bandit)
             base = statistics.fmean(r.seconds for r in runs[NO_SPECULATION])
             figures["bandit_cold_first_rollout_speedup"] = base / cold[BANDIT].seconds
             figures["goodput_cold_first_rollout_speedup"] = base / cold[GOODPUT].seconds
@@ -247,20 +247,37 @@ def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: 
     return figures
 
 
-def _seconds_by_bucket(runs: dict[str, list[ModeRun]], settings: SpeculationConfig) -> dict[str, dict[str, float]]:
-    """Per mode, engine-step seconds per rollout spent at each batch-size bucket: where a mode wins."""
+def _by_bucket(runs: dict[str, list[ModeRun]], settings: SpeculationConfig) -> tuple[dict, dict]:
+    """Per mode and batch-size bucket: engine-step seconds per rollout spent there (where a mode wins), and the
+    mean step in milliseconds (what a step costs at that batch: verifying drafts grows with it)."""
     from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
 
     buckets = BucketedEpsilonGreedy(settings, max_depth=max(settings.depths))
-    table = {}
+    labels = [buckets.bucket_label(i) for i in range(len(settings.bucket_bounds) + 1)]  # smallest batches first
+    seconds_per_rollout, step_ms = {}, {}
     for mode, mode_runs in runs.items():
-        sums: dict[str, float] = {}
+        sums: dict[str, list] = {}  # label: [steps, seconds]
         for run in mode_runs:
             for batch, seconds in zip(run.step_batch_sizes, run.step_seconds):
-                label = buckets.bucket_label(buckets.bucket_of(batch))
-                sums[label] = sums.get(label, 0.0) + seconds / len(mode_runs)
-        table[mode] = sums
-    return table
+                cell = sums.setdefault(buckets.bucket_label(buckets.bucket_of(batch)), [0, 0.0])
+                cell[0] += 1
+                cell[1] += seconds
+        in_order = [(label, sums[label]) for label in labels if label in sums]
+        seconds_per_rollout[mode] = {label: spent / len(mode_runs) for label, (_, spent) in in_order}
+        step_ms[mode] = {label: 1000 * spent / steps for label, (steps, spent) in in_order}
+    return seconds_per_rollout, step_ms
+
+
+def _format_step_costs(step_ms: dict[str, dict[str, float]]) -> list[str]:
+    """The fixed depths' step cost per batch-size bucket, in steps of the plain engine at that bucket."""
+    plain = step_ms.get(NO_SPECULATION, {})
+    lines = [f"mean step per batch-size bucket: {NO_SPECULATION} " + ", ".join(
+        f"{label}: {ms:.2f} ms" for label, ms in plain.items())]
+    for mode, costs in step_ms.items():
+        if mode.startswith("K="):
+            lines.append(f"  {mode} in plain steps: " + ", ".join(
+                f"{label}: {costs[label] / ms:.2f}" for label, ms in plain.items() if label in costs))
+    return lines
 
 
 def format_figures(figures: dict) -> str:
@@ -296,6 +313,8 @@ def format_figures(figures: dict) -> str:
         lines.append(f"goodput's first rollout (untimed): {figures['goodput_cold_first_rollout_speedup']:.2f}x")
     lines.append("BEG-MAB's best depth per batch-size bucket: " + ", ".join(
         f"{bucket}: {v['best']}" for bucket, v in figures["bandit"].items() if v["best"] is not None))
+    if "step_ms_by_bucket" in figures:
+        lines.extend(_format_step_costs(figures["step_ms_by_bucket"]))
     return "\n".join(lines)
 
 

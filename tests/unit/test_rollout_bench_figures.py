@@ -2,8 +2,9 @@
 
 import pytest
 
-from megatron_tlt.commands.bench_rollout import (BANDIT, NO_SPECULATION, ModeRun, RolloutBenchSettings, _figures,
-                                             _prompt_sets, _tail_seconds, format_figures)
+from megatron_tlt.commands.bench_rollout import (BANDIT, NO_SPECULATION, ModeRun, RolloutBenchSettings, _by_bucket,
+                                             _figures, _format_step_costs, _prompt_sets, _tail_seconds, format_figures)
+from megatron_tlt.config import SpeculationConfig
 
 
 def _run(seconds: float, tokens=((1, 2, 3),), batches=(4, 4, 2, 1), steps=(0.1, 0.1, 0.2, 0.3)) -> ModeRun:
@@ -69,3 +70,15 @@ def test_outputs_are_compared_with_no_speculation_round_by_round():
     figures = _figures(runs, {}, num_prompts=1)
     assert figures["modes"]["K=1"]["greedy_identical"]
     assert not figures["modes"][BANDIT]["greedy_identical"]
+
+
+def test_a_fixed_depths_step_cost_per_bucket_is_in_plain_steps_of_the_same_bucket():
+    # buckets 1, 2, 3-5, 6-21, ...: two rollouts each, a crowded start and a lone request at the end
+    runs = {NO_SPECULATION: [_run(1.0, batches=(8, 1), steps=(0.010, 0.005))] * 2,
+            "K=4": [_run(1.0, batches=(8, 1, 1), steps=(0.026, 0.007, 0.007))] * 2}
+    seconds, step_ms = _by_bucket(runs, SpeculationConfig(depths=[0, 4]))
+    assert seconds["K=4"] == pytest.approx({"6-21": 0.026, "1": 0.014})  # per rollout
+    assert step_ms["K=4"] == pytest.approx({"6-21": 26.0, "1": 7.0})  # per step
+    lines = _format_step_costs(step_ms)
+    assert lines[0] == "mean step per batch-size bucket: no speculation 1: 5.00 ms, 6-21: 10.00 ms"
+    assert lines[1] == "  K=4 in plain steps: 1: 1.40, 6-21: 2.60"
