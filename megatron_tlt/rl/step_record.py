@@ -99,11 +99,7 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
 
 
 def _speculation_fields(per_rank: list[RankStepReport]) -> dict:
-    stats = [p.spec for p in per_rank if p.spec is not None]
-    # Summed over the engines; SpecDecodeStats owns the rates' formulas.
-    total = SpecDecodeStats(num_drafts=sum(s.num_drafts for s in stats),
-                            num_draft_tokens=sum(s.num_draft_tokens for s in stats),
-                            num_accepted_tokens=sum(s.num_accepted_tokens for s in stats))
+    total = sum((p.spec for p in per_rank if p.spec is not None), SpecDecodeStats())  # every engine's drafts
     if total.num_drafts == 0:
         return {}
     record = {"spec/mean_acceptance_length": total.mean_acceptance_length, "spec/acceptance_rate": total.acceptance_rate}
@@ -140,8 +136,7 @@ def _alarm_fields(per_rank: list[RankStepReport]) -> dict:
         record["spec/acceptance_alarms"] = sum(p.alarm for p in per_rank)
     probes = [p.probe for p in per_rank if p.probe is not None]
     if probes:
-        drafted = sum(s.num_draft_tokens for s in probes)
-        record["spec/probe_acceptance_rate"] = sum(s.num_accepted_tokens for s in probes) / max(1, drafted)
+        record["spec/probe_acceptance_rate"] = sum(probes, SpecDecodeStats()).acceptance_rate
     return record
 
 

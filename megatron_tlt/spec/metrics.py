@@ -6,6 +6,7 @@ Pure: vLLM's cumulative counters go in, per-rollout differences and derived rate
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,13 @@ class SpecDecodeStats:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per target step: the accepted drafts plus the target's own token."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def __add__(self, other: "SpecDecodeStats") -> "SpecDecodeStats":
+        """Pooled counts (several engines or rollouts): ``sum(stats, SpecDecodeStats())``."""
+        per_pos = tuple(a + b for a, b in itertools.zip_longest(self.accepted_per_position, other.accepted_per_position,
+                                                                fillvalue=0))
+        return SpecDecodeStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                               self.num_accepted_tokens + other.num_accepted_tokens, per_pos)
 
     def __sub__(self, earlier: "SpecDecodeStats") -> "SpecDecodeStats":
         per_pos = tuple(a - b for a, b in zip(self.accepted_per_position,

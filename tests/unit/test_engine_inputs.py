@@ -57,3 +57,5 @@ def test_acceptance_statistics_and_the_collapse_rule():
     assert acceptance_collapsed(rollout, threshold=0.05)
     assert not acceptance_collapsed(before, threshold=0.05)
     assert not acceptance_collapsed(SpecDecodeStats(), threshold=0.05)  # nothing proposed: no alarm
+    # pooled over engines, one of them drafting shallower
+    assert sum([rollout, SpecDecodeStats(5, 10, 4, (3, 1))], SpecDecodeStats()) == SpecDecodeStats(25, 70, 5, (4, 1, 0))
