@@ -115,7 +115,7 @@ def main() -> None:
             if outputs != [reference, reference]:
                 raise SystemExit(f"{layers} layers: greedy outputs differ from the undeepened plain engine's")
             totals = {"plain": [0, 0.0, 0], "spec": [0, 0.0, 0]}
-            drafts = accepted = 0
+            acceptance = SpecDecodeStats()  # pooled over all rounds
             for round_index in range(args.rounds):
                 batch = prompts[4 + round_index * args.prompts: 4 + (round_index + 1) * args.prompts]
                 for name, engine in (("plain", plain), ("spec", spec)):
@@ -125,13 +125,11 @@ def main() -> None:
                     total[1] += result.seconds
                     total[2] += len(result.step_seconds)
                     if name == "spec":
-                        drafts += result.spec.num_drafts
-                        accepted += result.spec.num_accepted_tokens
+                        acceptance += result.spec
             (plain_tokens, plain_seconds, plain_steps), (spec_tokens, spec_seconds, spec_steps) = totals.values()
             plain_rate, spec_rate = plain_tokens / plain_seconds, spec_tokens / spec_seconds
             step_cost = (spec_seconds / spec_steps) / (plain_seconds / plain_steps)
             plain_ms = 1000 * plain_seconds / plain_steps
-            acceptance = SpecDecodeStats(num_drafts=drafts, num_accepted_tokens=accepted)  # over all rounds
             print(f"{layers:3d} layers: plain {plain_rate:6.0f} tok/s, {plain_ms:5.2f} ms/step | "
                   f"K={args.depth} {spec_rate:6.0f} tok/s, a step costs {step_cost:.2f} plain steps, acceptance length "
                   f"{acceptance.mean_acceptance_length:.2f} | speedup {spec_rate / plain_rate:.2f}x", flush=True)

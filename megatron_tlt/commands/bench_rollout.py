@@ -93,7 +93,7 @@ def _tail_seconds(batch_sizes: list[int], step_seconds: list[float]) -> float:
 def _run(engine, prompts, sampling) -> ModeRun:
     result = engine.generate(prompts, sampling)
     return ModeRun(result.seconds, result.num_generated_tokens, _tail_seconds(result.step_batch_sizes, result.step_seconds),
-                   result.spec.mean_acceptance_length if result.spec.num_drafts else 1.0, result.token_ids,
+                   result.spec.mean_acceptance_length, result.token_ids,
                    result.step_batch_sizes, result.step_seconds)
 
 
@@ -253,7 +253,7 @@ def _by_bucket(runs: dict[str, list[ModeRun]], settings: SpeculationConfig) -> t
     from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
 
     buckets = BucketedEpsilonGreedy(settings, max_depth=max(settings.depths))
-    labels = [buckets.bucket_label(i) for i in range(len(settings.bucket_bounds) + 1)]  # smallest batches first
+    labels = [buckets.bucket_label(i) for i in range(buckets.num_buckets)]  # smallest batches first
     seconds_per_rollout, step_ms = {}, {}
     for mode, mode_runs in runs.items():
         sums: dict[str, list] = {}  # label: [steps, seconds]
