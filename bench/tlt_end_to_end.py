@@ -10,11 +10,12 @@ beside them the skeptic's baseline: the same speculation with the drafter frozen
 Both runs use the same seeds and the same number of steps; each repeat draws other samples
 (``rollout.sampling_seed``), the same for every arm where a seed fixes them. TLT on starts its drafter from the
 benchmarks' cached warm-up drafter of the initial policy (``commands/start.cold_start_drafter``, made on first
-use, as ``tlt bench rollout`` does), speculates up to depth ``--depth`` with the config's depth policy choosing
-per engine step (the default's BEG-MAB; ``--variant goodput speculation.policy=goodput`` races the goodput model
-beside it), and trains the drafter on idle ranks. The frozen run is TLT on without the spot trainer: its drafter
-stays the cold-start one (in-domain, not random), so the acceptance ratio online / frozen is what training on
-idle ranks adds.
+use, as ``tlt bench rollout`` does), speculates up to depth ``--depth`` (default: the config's
+``drafter.speculative_tokens``) with the config's depth policy choosing per engine step (the default's
+BEG-MAB; ``--variant goodput speculation.policy=goodput`` races the goodput model beside it), and trains
+the drafter on idle ranks. The frozen run is TLT on without the spot trainer: its drafter stays the
+cold-start one (in-domain, not random), so the acceptance ratio online / frozen is what training on idle
+ranks adds.
 With ``--repeats R`` every arm runs R times, in an order reversed every other repeat (ABBA), so a machine
 that drifts slower or faster during the benchmark weighs on every arm alike; times are summed over the
 repeats and each repeat's ratio is printed too. Prints the step-time ratio (total and per phase), and the
@@ -63,7 +64,9 @@ def _window_mean(records: list[dict], key: str, start: int, end: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--depth", type=int, default=4, help="deepest speculation the depth policy may choose")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="deepest speculation the depth policy may choose (default: the config's "
+                             "drafter.speculative_tokens)")
     parser.add_argument("--drafter", default=None, help="initial drafter directory (default: the cached warm-up)")
     parser.add_argument("--no-frozen", dest="frozen", action="store_false",
                         help="skip the frozen-drafter run (speculation with the cold-start drafter, no spot training)")
@@ -82,6 +85,12 @@ def main() -> None:
     variants = {name: extra for name, *extra in args.variant}
     if len(variants) != len(args.variant) or {"off", "on", "frozen"} & set(variants):
         parser.error("--variant names must be distinct and none of off, on, frozen")
+    if args.depth is None:  # the default's own depth, so that the bench measures what `tlt train` runs
+        from megatron_tlt.config import load_config
+
+        args.depth = load_config(CONFIG, args.overrides).drafter.speculative_tokens
+    if args.depth < 1:
+        parser.error(f"--depth must be >= 1 (TLT on speculates), got {args.depth}")
     if args.drafter is None:
         from megatron_tlt.commands.start import cold_start_drafter
 
