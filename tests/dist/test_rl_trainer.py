@@ -249,11 +249,12 @@ def tp2_run(env, tp2_cache, spot_run, tmp_path_factory):
     one vLLM engine over both ranks, speculating with BEG-MAB from a drafter whose weights are all zeros.
 
     Peers lost drafter weights in a weight sync without a sound (acceptance fell to ~0). All-zero weights
-    are such a loss: the drafter's distribution is then uniform and its argmax token 0, which the policy
-    never picks, so no argmax draft is accepted, and the check of every rollout after a sync and drafter push
-    must say so (the default check: no greedy probe). Drafts are argmax here: a draw from the uniform
-    distribution would be accepted with sum min(p, 1/V), which is ~0 for a real vocabulary but not for this
-    barely trained policy over 318 tokens. Returns (run directory, stderr).
+    are such a loss: the drafter's distribution is then uniform and its argmax token 0, accepted only with
+    the policy's small p(token 0) (small, not zero: CI once saw a few accepted), and the check of every
+    rollout after a sync and drafter push must say so (the default check: no greedy probe). Drafts are
+    argmax here: a draw from the uniform distribution would be accepted with sum min(p, 1/V), which is ~0
+    for a real vocabulary but not for this barely trained policy over 318 tokens. Returns (run directory,
+    stderr).
     """
     from safetensors.torch import load_file, save_file
 
@@ -296,7 +297,8 @@ def test_a_drafter_pushed_with_wrong_weights_raises_the_acceptance_alarm_in_ever
     assert stderr.count("speculative acceptance collapsed in the rollout") == 2 * 2
     records = _summary(run_dir)
     assert [r["spec/acceptance_alarms"] for r in records] == [1, 1]  # counted once per engine
-    assert all(r["spec/acceptance_rate"] == 0.0 and "spec/probe_acceptance_rate" not in r for r in records)
+    # below the alarm's 5%, not exactly 0: the policy samples token 0 with a small probability
+    assert all(r["spec/acceptance_rate"] < 0.05 and "spec/probe_acceptance_rate" not in r for r in records)
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     assert [e.value for e in events.Scalars("spec/acceptance_alarms")] == [1.0, 1.0]
