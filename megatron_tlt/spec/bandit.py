@@ -89,8 +89,10 @@ class BucketedEpsilonGreedy:
         if limit is not None and batch_size > limit:
             depth = 0
         elif untried:
-            # Every arm gets one honest measurement before the greedy rule may ignore it.
-            depth = untried[0]
+            # Every arm gets min_observations honest measurements before the greedy rule may ignore it, taken
+            # in turn (the least measured first): a rollout's batch shrinks through a bucket, so arms measured
+            # one after the other would each see other batch sizes, the deep ones (tried last) the smallest.
+            depth = min(untried, key=lambda k: len(windows[self._arm[k]]))
         elif self._rng.random() < self.settings.epsilon:
             depth = self._rng.choice(self._depths)
         else:

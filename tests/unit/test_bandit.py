@@ -113,14 +113,15 @@ def test_epsilon_zero_never_explores_and_one_is_uniform():
         assert picks.count(k) / len(picks) == pytest.approx(0.25, abs=0.025)
 
 
-def test_untried_arms_come_first_in_depths_order():
+def test_untried_arms_come_first_in_turn_in_depths_order():
     bandit, rng = make(epsilon=1.0, min_observations=1), random.Random(5)
     assert [step(bandit, TABLE, rng, 0) for _ in DEPTHS] == list(DEPTHS)
     # Buckets are independent: a fresh bucket starts its own warm-up, even at epsilon=1.
     assert [step(bandit, TABLE, rng, 5) for _ in DEPTHS] == list(DEPTHS)
-    # An arm counts as tried once it has min_observations rewards (3 by default).
+    # An arm counts as tried once it has min_observations rewards (3 by default), measured in turn: one
+    # pass over the arms, then the next, so that each arm meets the batch sizes of the whole bucket
     default = make(epsilon=1.0)
-    assert [step(default, TABLE, rng, 0) for _ in range(3 * len(DEPTHS))] == [k for k in DEPTHS for _ in range(3)]
+    assert [step(default, TABLE, rng, 0) for _ in range(3 * len(DEPTHS))] == [k for _ in range(3) for k in DEPTHS]
 
     custom = make(depths=(3, 0, 2), min_observations=1)
     order = []
