@@ -17,10 +17,17 @@ it learns over hundreds), and its cold first rollout is reported beside the time
 
 Reported per mode: wall time, generated tokens/s, mean acceptance length, speedup over no speculation, and
 the speedup on the long-tail phase (the engine steps after half the sequences have finished).
+
+Sampled, every mode draws its own responses, and a rollout's time hangs on its longest draws: two modes of one
+round differed by up to 3x in time on luck alone, so a few rounds could not rank them. The speedups are also
+given on equal work: no speculation's time of the round scaled to each mode's own draws, by the ratio of their
+plain decoding cost (the steps plain decoding would take for those response lengths, each priced by a line
+fitted to no speculation's measured steps by batch size). Longer draws then weigh on both sides alike.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import logging
@@ -80,6 +87,8 @@ class ModeRun:
     token_ids: list
     step_batch_sizes: list
     step_seconds: list
+    response_lengths: list = dataclasses.field(default_factory=list)
+    """Generated tokens of every response: the work plain decoding would have had (``plain_decoding_work``)."""
 
 
 def _tail_seconds(batch_sizes: list[int], step_seconds: list[float]) -> float:
@@ -94,7 +103,8 @@ def _run(engine, prompts, sampling) -> ModeRun:
     result = engine.generate(prompts, sampling)
     return ModeRun(result.seconds, result.num_generated_tokens, _tail_seconds(result.step_batch_sizes, result.step_seconds),
                    result.spec.mean_acceptance_length, result.token_ids,
-                   result.step_batch_sizes, result.step_seconds)
+                   result.step_batch_sizes, result.step_seconds,
+                   [len(response) for prompt in result.token_ids for response in prompt])
 
 
 def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, settings: RolloutBenchSettings) -> dict:
@@ -202,12 +212,76 @@ def _prompt_sets(pool: list, size: int, rotate: bool) -> Iterator[list]:
             start = (start + size) % len(pool)
 
 
+def _standard_error(values: list[float]) -> float:
+    """Standard error of the mean of ``values`` (NaN for fewer than two)."""
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+
+
 def _paired_ratios(numerator: list[ModeRun], denominator: list[ModeRun]) -> tuple[list[float], float]:
     """Per round, numerator seconds / denominator seconds (both ran in the same spell of the machine), and
     the standard error of their mean: how far the overall ratio may be noise."""
     by_round = [a.seconds / b.seconds for a, b in zip(numerator, denominator)]
-    error = statistics.stdev(by_round) / len(by_round) ** 0.5 if len(by_round) > 1 else float("nan")
-    return by_round, error
+    return by_round, _standard_error(by_round)
+
+
+def plain_step_line(runs: list[ModeRun]) -> tuple[float, float]:
+    """(a, b): a plain engine step over a batch of B sequences takes a + b * B seconds, fitted to the median step
+    at each batch size of ``runs`` (weighted by their steps): medians, so the few steps that prefill do not bend it."""
+    import numpy as np
+
+    by_batch: dict[int, list[float]] = {}
+    for run in runs:
+        for batch, seconds in zip(run.step_batch_sizes, run.step_seconds):
+            by_batch.setdefault(batch, []).append(seconds)
+    if not by_batch:
+        raise ValueError("no engine steps to fit the plain step cost to")
+    if len(by_batch) == 1:
+        (seconds,) = by_batch.values()
+        return statistics.median(seconds), 0.0
+    batches = sorted(by_batch)
+    slope, intercept = np.polyfit(batches, [statistics.median(by_batch[b]) for b in batches], 1,
+                                  w=[len(by_batch[b]) ** 0.5 for b in batches])
+    return float(intercept), float(slope)
+
+
+def plain_decoding_work(lengths: list[int], line: tuple[float, float]) -> float:
+    """Seconds plain decoding spends on responses of ``lengths`` after their prefill (which gives each its first
+    token): a step per further token of the longest, over the responses still growing, priced by ``line``."""
+    intercept, slope = line
+    ordered = sorted(lengths)
+    return sum(intercept + slope * (len(ordered) - bisect.bisect_right(ordered, t))
+               for t in range(1, ordered[-1] if ordered else 0))
+
+
+def _equal_work(runs: dict[str, list[ModeRun]]) -> dict | None:
+    """Speedups over no speculation on equal work: per round, no speculation's time scaled by the plain decoding
+    work of the mode's own draws over that of its own (None: a run without response lengths)."""
+    base = runs[NO_SPECULATION]
+    if not all(run.response_lengths for mode_runs in runs.values() for run in mode_runs):
+        return None
+    line = plain_step_line(base)
+    base_work = [plain_decoding_work(run.response_lengths, line) for run in base]
+    if min(base_work) <= 0:
+        return None
+    speedup, by_round, work_ratio = {}, {}, {}
+    for mode, mode_runs in runs.items():
+        ratios = [plain_decoding_work(run.response_lengths, line) / work for run, work in zip(mode_runs, base_work)]
+        plain = [b.seconds * ratio for b, ratio in zip(base, ratios)]
+        speedup[mode] = sum(plain) / sum(run.seconds for run in mode_runs)
+        by_round[mode] = [seconds / run.seconds for seconds, run in zip(plain, mode_runs)]
+        work_ratio[mode] = ratios
+    best = max((m for m in speedup if m.startswith("K=")), key=speedup.__getitem__)
+    over_best = {}
+    for mode in (BANDIT, GOODPUT, VLLM_TABLE):
+        if mode in runs:
+            ratios = [a / b for a, b in zip(by_round[mode], by_round[best])]
+            over_best[mode] = {"ratio": speedup[mode] / speedup[best], "by_round": ratios,
+                               "standard_error": _standard_error(ratios)}
+    measured = sum(sum(run.step_seconds) for run in base)
+    return {"plain_step_seconds": {"intercept": line[0], "per_sequence": line[1]},
+            "plain_work_over_measured_steps": sum(base_work) / measured if measured > 0 else float("nan"),
+            "speedup": speedup, "speedup_standard_error": {m: _standard_error(v) for m, v in by_round.items()},
+            "work_over_no_speculation_by_round": work_ratio, "best_fixed": best, "over_best_fixed": over_best}
 
 
 def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: int, *, sampled: bool = False) -> dict:
@@ -244,7 +318,25 @@ def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: 
     for mode, key in ((VLLM_TABLE, "vllm_table"), (GOODPUT, "goodput")):
         if mode in runs:
             figures.update(over_best_fixed(mode, key))
+    equal_work = _equal_work(runs)
+    if equal_work is not None:
+        figures["equal_work"] = equal_work
     return figures
+
+
+def _format_equal_work(equal_work: dict) -> list[str]:
+    speedup, error = equal_work["speedup"], equal_work["speedup_standard_error"]
+    line = equal_work["plain_step_seconds"]
+    lines = ["on equal work (no speculation's time of each round scaled to each mode's own draws; plain step "
+             f"{1000 * line['intercept']:.2f} ms + {1000 * line['per_sequence']:.3f} ms per sequence, "
+             f"{equal_work['plain_work_over_measured_steps']:.2f} of no speculation's measured steps):",
+             "  speedup: " + ", ".join(f"{mode} {value:.2f}x (+-{error[mode]:.3f})" for mode, value in speedup.items()
+                                       if mode != NO_SPECULATION)]
+    for mode, over in equal_work["over_best_fixed"].items():
+        lines.append(f"  {mode} / best fixed ({equal_work['best_fixed']}): {over['ratio']:.3f}; per round "
+                     + ", ".join(f"{r:.3f}" for r in over["by_round"])
+                     + f" (standard error of their mean {over['standard_error']:.3f})")
+    return lines
 
 
 def _by_bucket(runs: dict[str, list[ModeRun]], settings: SpeculationConfig) -> tuple[dict, dict]:
@@ -315,6 +407,8 @@ def format_figures(figures: dict) -> str:
         f"{bucket}: {v['best']}" for bucket, v in figures["bandit"].items() if v["best"] is not None))
     if "step_ms_by_bucket" in figures:
         lines.extend(_format_step_costs(figures["step_ms_by_bucket"]))
+    if "equal_work" in figures:
+        lines.extend(_format_equal_work(figures["equal_work"]))
     return "\n".join(lines)
 
 

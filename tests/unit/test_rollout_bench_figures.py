@@ -3,7 +3,8 @@
 import pytest
 
 from megatron_tlt.commands.bench_rollout import (BANDIT, NO_SPECULATION, ModeRun, RolloutBenchSettings, _by_bucket,
-                                             _figures, _format_step_costs, _prompt_sets, _tail_seconds, format_figures)
+                                             _figures, _format_step_costs, _prompt_sets, _tail_seconds, format_figures,
+                                             plain_decoding_work, plain_step_line)
 from megatron_tlt.config import SpeculationConfig
 
 
@@ -82,3 +83,46 @@ def test_a_fixed_depths_step_cost_per_bucket_is_in_plain_steps_of_the_same_bucke
     lines = _format_step_costs(step_ms)
     assert lines[0] == "mean step per batch-size bucket: no speculation 1: 5.00 ms, 6-21: 10.00 ms"
     assert lines[1] == "  K=4 in plain steps: 1: 1.40, 6-21: 2.60"
+
+
+def test_the_plain_step_line_is_fitted_to_median_steps_and_prices_the_decoding_of_given_lengths():
+    # steps of 2 ms + 0.5 ms per sequence; the first step of each run also prefills (25x slower)
+    steps = [(b, 0.002 + 0.0005 * b) for b in (4, 4, 3, 3, 3, 2, 1, 1)]
+    runs = [_run(1.0, batches=[4] + [b for b, _ in steps], steps=[0.1] + [s for _, s in steps])] * 3
+    intercept, slope = plain_step_line(runs)
+    assert intercept == pytest.approx(0.002, rel=0.05) and slope == pytest.approx(0.0005, rel=0.05)
+    # the prefill gives each response its first token; then a step per further token of the longest,
+    # over the responses still growing: lengths 1, 3, 3 take 2 steps of 2 sequences
+    assert plain_decoding_work([1, 3, 3], (1.0, 0.0)) == 2.0
+    assert plain_decoding_work([1, 3, 3], (0.0, 1.0)) == 4.0
+    assert plain_decoding_work([3, 1, 5], (0.0, 1.0)) == 2 + 2 + 1 + 1  # 2 live for t=1,2, then 1
+    assert plain_decoding_work([], (1.0, 1.0)) == 0.0
+
+
+def _sampled(seconds: float, lengths: list[int]) -> ModeRun:
+    run = _run(seconds, batches=(2, 1), steps=(0.01, 0.01))
+    run.response_lengths = list(lengths)
+    return run
+
+
+def test_on_equal_work_a_mode_that_drew_longer_responses_is_not_charged_for_them():
+    # steady steps of 10 ms whatever the batch: the work is the length of the longest response
+    short, long_ = [11, 6], [21, 6]  # 10 and 20 plain steps
+    runs = {NO_SPECULATION: [_sampled(1.0, short), _sampled(2.0, long_)],
+            "K=2": [_sampled(1.0, long_), _sampled(0.5, short)],  # 2x on either draw, its long one first
+            BANDIT: [_sampled(0.5, short), _sampled(1.0, long_)]}  # also 2x
+    figures = _figures(runs, {}, num_prompts=1, sampled=True)
+    # by wall time the draws decide: K=2 1.33x, round ratios 0.5 and 2.0
+    assert figures["modes"]["K=2"]["speedup"] == pytest.approx(3.0 / 1.5)
+    assert figures["bandit_over_best_fixed_by_round"] == pytest.approx([2.0, 0.5])
+    equal = figures["equal_work"]
+    assert equal["speedup"]["K=2"] == pytest.approx(2.0) and equal["speedup"][BANDIT] == pytest.approx(2.0)
+    assert equal["speedup"][NO_SPECULATION] == pytest.approx(1.0)
+    assert equal["work_over_no_speculation_by_round"]["K=2"] == pytest.approx([2.0, 0.5])
+    bandit = equal["over_best_fixed"][BANDIT]
+    assert bandit["ratio"] == pytest.approx(1.0) and bandit["by_round"] == pytest.approx([1.0, 1.0])
+    assert bandit["standard_error"] == pytest.approx(0.0)
+    figures["bandit_cold_first_rollout_speedup"] = 1.0
+    text = format_figures(figures)
+    assert "speedup: K=2 2.00x (+-0.000), BEG-MAB 2.00x (+-0.000)" in text
+    assert "BEG-MAB / best fixed (K=2): 1.000; per round 1.000, 1.000 (standard error of their mean 0.000)" in text
