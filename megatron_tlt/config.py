@@ -38,6 +38,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
 DRAFTER_PRECISIONS = ("auto", "fp32", "bf16", "fp8")
 DEPTH_POLICIES = ("bandit", "goodput")
 DRAFT_SAMPLING = ("probabilistic", "greedy")
+EXPLORATION = ("uniform", "neighbours")
 # algorithm.advantage's choices: the estimators rl/advantages.py registers (it refuses a name not listed here)
 ADVANTAGES = ("grpo", "rloo")
 # data.solution_style's choices: the built-in task's ways of writing a worked solution (rl/synthetic_task.py)
@@ -424,6 +425,11 @@ class SpeculationConfig:
     """The arms (depths K, 0 = off); default 0..drafter.speculative_tokens."""
     epsilon: float = 0.1
     """Share of steps that explore a random depth."""
+    exploration: str = "uniform"
+    """Which depth BEG-MAB explores: ``uniform`` (TLT's: any arm) or ``neighbours`` (an arm next to the best of
+    the bucket). Where the best depths are close, as on CPU where speculation pays at every batch, a uniform
+    pick is often depth 0 or 1 at twice a good step's cost: on equal work BEG-MAB ran 0.94x of the best fixed
+    depth exploring uniformly (bench/RESULTS.md). The goodput model always explores neighbours."""
     window: int = 300
     """Rewards kept per bucket and depth (a sliding window: the drafter changes)."""
     median_blocks: int = 5
@@ -449,6 +455,8 @@ class SpeculationConfig:
         if self.draft_sampling not in DRAFT_SAMPLING:
             raise ConfigError(f"speculation.draft_sampling must be {' or '.join(DRAFT_SAMPLING)}, got "
                               f"'{self.draft_sampling}'")
+        if self.exploration not in EXPLORATION:
+            raise ConfigError(f"speculation.exploration must be {' or '.join(EXPLORATION)}, got '{self.exploration}'")
         if self.policy not in DEPTH_POLICIES:
             raise ConfigError(f"speculation.policy must be {' or '.join(DEPTH_POLICIES)}, got '{self.policy}'")
         # Written so that NaN fails too: every comparison with NaN is False.

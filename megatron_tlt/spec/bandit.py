@@ -94,11 +94,18 @@ class BucketedEpsilonGreedy:
             # one after the other would each see other batch sizes, the deep ones (tried last) the smallest.
             depth = min(untried, key=lambda k: len(windows[self._arm[k]]))
         elif self._rng.random() < self.settings.epsilon:
-            depth = self._rng.choice(self._depths)
+            depth = self._explore(bucket)
         else:
             depth = self.best_depth(bucket)
         self._pulls[bucket][self._arm[depth]] += 1
         return depth
+
+    def _explore(self, bucket: int) -> int:
+        """A depth to measure instead of the best: any arm, or (``exploration: neighbours``) one next to the best."""
+        if self.settings.exploration == "uniform":
+            return self._rng.choice(self._depths)
+        best = self._arm[self.best_depth(bucket)]  # every arm has rewards by now
+        return self._depths[min(max(best + self._rng.choice((-1, 1)), 0), len(self._depths) - 1)]
 
     def observe(self, bucket: int, depth: int, reward: float) -> None:
         """Record the reward (generated tokens per second) of a step run with `depth` in `bucket`."""

@@ -113,6 +113,29 @@ def test_epsilon_zero_never_explores_and_one_is_uniform():
         assert picks.count(k) / len(picks) == pytest.approx(0.25, abs=0.025)
 
 
+def test_neighbour_exploration_measures_only_the_depths_next_to_the_best():
+    bandit = make(depths=(0, 1, 2, 3, 4, 5), epsilon=0.2, exploration="neighbours", seed=6)
+    rewards = {0: 100, 1: 150, 2: 180, 3: 200, 4: 190, 5: 170}  # best K=3
+    picks = []
+    for _ in range(3000):
+        depth = bandit.choose(1)
+        bandit.observe(0, depth, rewards[depth])
+        picks.append(depth)
+    explored = picks[6 * 3:]  # after each arm's three forced measurements
+    assert set(explored) == {2, 3, 4}
+    # half the explorations (0.2 of steps) go either side of the best
+    assert explored.count(2) / len(explored) == pytest.approx(0.1, abs=0.02)
+    assert explored.count(4) / len(explored) == pytest.approx(0.1, abs=0.02)
+    # at the edge of the arms the only neighbour is explored (the other side is the best itself)
+    edge = make(depths=(0, 1, 2), epsilon=1.0, exploration="neighbours", seed=7)
+    for _ in range(9):
+        depth = edge.choose(1)
+        edge.observe(0, depth, {0: 10, 1: 20, 2: 30}[depth])
+    assert {edge.choose(1) for _ in range(50)} == {1, 2}
+    with pytest.raises(ConfigError, match="speculation.exploration must be uniform or neighbours, got 'greedy'"):
+        SpeculationConfig(exploration="greedy")
+
+
 def test_untried_arms_come_first_in_turn_in_depths_order():
     bandit, rng = make(epsilon=1.0, min_observations=1), random.Random(5)
     assert [step(bandit, TABLE, rng, 0) for _ in DEPTHS] == list(DEPTHS)
