@@ -428,9 +428,9 @@ class SpeculationConfig:
     exploration: str = "uniform"
     """Which depth BEG-MAB explores: ``uniform`` (TLT's: any arm) or ``neighbours`` (an arm next to the best of
     the bucket). Where the best depths are close, as on CPU where speculation pays at every batch, a uniform
-    pick is often depth 0 or 1 at twice a good step's cost: on equal work BEG-MAB ran 0.94x of the best fixed
-    depth exploring uniformly, 0.98x exploring neighbours, which the tiny default does (bench/RESULTS.md).
-    The goodput model always explores neighbours."""
+    pick is often depth 0 or 1 at 1.4-1.9x a good step's cost per token: on equal work BEG-MAB ran 0.94x of
+    the best fixed depth exploring uniformly, 0.98x exploring neighbours, which the tiny default does
+    (bench/RESULTS.md). The goodput model always explores neighbours."""
     window: int = 300
     """Rewards kept per bucket and depth (a sliding window: the drafter changes)."""
     median_blocks: int = 5
