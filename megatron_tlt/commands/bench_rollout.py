@@ -87,8 +87,11 @@ class ModeRun:
     token_ids: list
     step_batch_sizes: list
     step_seconds: list
-    response_lengths: list = dataclasses.field(default_factory=list)
-    """Generated tokens of every response: the work plain decoding would have had (``plain_decoding_work``)."""
+
+    @property
+    def response_lengths(self) -> list[int]:
+        """Generated tokens of every response: the work plain decoding would have had (``plain_decoding_work``)."""
+        return [len(response) for prompt in self.token_ids for response in prompt]
 
 
 def _tail_seconds(batch_sizes: list[int], step_seconds: list[float]) -> float:
@@ -103,8 +106,7 @@ def _run(engine, prompts, sampling) -> ModeRun:
     result = engine.generate(prompts, sampling)
     return ModeRun(result.seconds, result.num_generated_tokens, _tail_seconds(result.step_batch_sizes, result.step_seconds),
                    result.spec.mean_acceptance_length, result.token_ids,
-                   result.step_batch_sizes, result.step_seconds,
-                   [len(response) for prompt in result.token_ids for response in prompt])
+                   result.step_batch_sizes, result.step_seconds)
 
 
 def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, settings: RolloutBenchSettings) -> dict:

@@ -10,7 +10,7 @@ from megatron_tlt.config import SpeculationConfig
 
 def _run(seconds: float, tokens=((1, 2, 3),), batches=(4, 4, 2, 1), steps=(0.1, 0.1, 0.2, 0.3)) -> ModeRun:
     return ModeRun(seconds=seconds, tokens=60, tail_seconds=_tail_seconds(list(batches), list(steps)),
-                   acceptance_length=2.0, token_ids=[list(t) for t in tokens], step_batch_sizes=list(batches),
+                   acceptance_length=2.0, token_ids=[[list(t)] for t in tokens], step_batch_sizes=list(batches),
                    step_seconds=list(steps))
 
 
@@ -100,9 +100,7 @@ def test_the_plain_step_line_is_fitted_to_median_steps_and_prices_the_decoding_o
 
 
 def _sampled(seconds: float, lengths: list[int]) -> ModeRun:
-    run = _run(seconds, batches=(2, 1), steps=(0.01, 0.01))
-    run.response_lengths = list(lengths)
-    return run
+    return _run(seconds, tokens=[[0] * n for n in lengths], batches=(2, 1), steps=(0.01, 0.01))
 
 
 def test_on_equal_work_a_mode_that_drew_longer_responses_is_not_charged_for_them():
@@ -112,7 +110,7 @@ def test_on_equal_work_a_mode_that_drew_longer_responses_is_not_charged_for_them
             "K=2": [_sampled(1.0, long_), _sampled(0.5, short)],  # 2x on either draw, its long one first
             BANDIT: [_sampled(0.5, short), _sampled(1.0, long_)]}  # also 2x
     figures = _figures(runs, {}, num_prompts=1, sampled=True)
-    # by wall time the draws decide: K=2 1.33x, round ratios 0.5 and 2.0
+    # by wall time the draws decide each round: K=2 / BEG-MAB reads 2.0 and 0.5 where both ran at 2x
     assert figures["modes"]["K=2"]["speedup"] == pytest.approx(3.0 / 1.5)
     assert figures["bandit_over_best_fixed_by_round"] == pytest.approx([2.0, 0.5])
     equal = figures["equal_work"]
