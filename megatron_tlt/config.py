@@ -39,6 +39,7 @@ DRAFTER_PRECISIONS = ("auto", "fp32", "bf16", "fp8")
 DEPTH_POLICIES = ("bandit", "goodput")
 DRAFT_SAMPLING = ("probabilistic", "greedy")
 EXPLORATION = ("uniform", "neighbours")
+CREDIT = ("own", "shallower")
 # algorithm.advantage's choices: the estimators rl/advantages.py registers (it refuses a name not listed here)
 ADVANTAGES = ("grpo", "rloo")
 # data.solution_style's choices: the built-in task's ways of writing a worked solution (rl/synthetic_task.py)
@@ -431,6 +432,13 @@ class SpeculationConfig:
     pick is often depth 0 or 1 at 1.4-1.9x a good step's cost per token: on equal work BEG-MAB ran 0.94x of
     the best fixed depth exploring uniformly, 0.98x exploring neighbours, which the tiny default does
     (bench/RESULTS.md). The goodput model always explores neighbours."""
+    credit: str = "own"
+    """What a BEG-MAB step at depth K measures: ``own`` (TLT's: the reward of depth K alone) or ``shallower``:
+    also the tokens every shallower depth K' would have made in that very step, min(accepted, K') + 1 per
+    request (its K' drafts are the first K' of the K drawn, judged alike up to the same first rejection).
+    A depth's estimate is then its tokens per request, from its own and deeper steps, times its requests per
+    second, from its own steps: at small batches a step makes only a few tokens and its reward is noisy,
+    but its time is not, so the tokens are what needs the extra samples."""
     window: int = 300
     """Rewards kept per bucket and depth (a sliding window: the drafter changes)."""
     median_blocks: int = 5
@@ -458,6 +466,8 @@ class SpeculationConfig:
                               f"'{self.draft_sampling}'")
         if self.exploration not in EXPLORATION:
             raise ConfigError(f"speculation.exploration must be {' or '.join(EXPLORATION)}, got '{self.exploration}'")
+        if self.credit not in CREDIT:
+            raise ConfigError(f"speculation.credit must be {' or '.join(CREDIT)}, got '{self.credit}'")
         if self.policy not in DEPTH_POLICIES:
             raise ConfigError(f"speculation.policy must be {' or '.join(DEPTH_POLICIES)}, got '{self.policy}'")
         # Written so that NaN fails too: every comparison with NaN is False.

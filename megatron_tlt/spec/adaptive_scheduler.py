@@ -5,7 +5,8 @@ read by the model runner; 0 turns drafting off for that step) when dynamic specu
 This subclass, given to vLLM by qualified name (``scheduler_cls``), sets that depth from its depth policy,
 ``speculation.policy``: BEG-MAB (``spec/bandit.py``, from the live batch size) or the goodput model
 (``spec/goodput.py``, from the live requests), and feeds it each step's outcome in ``update_from_output``:
-the step's time and tokens, and every request's drafts and how many of them were accepted. Nothing of
+the step's time and tokens, and every request's drafts and how many of them were accepted (which BEG-MAB's
+``credit: shallower`` also reads). Nothing of
 vLLM is forked or patched. Settings arrive through ``additional_config[BANDIT_CONFIG_KEY]``, a plain
 dict (vLLM hashes it as JSON): ``speculation.*`` as ``dataclasses.asdict`` gives it, plus the
 bandit's ``seed`` (``bandit_additional_config`` writes it, ``bandit_from_additional_config`` reads it).
@@ -84,7 +85,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
         self._in_flight: _StepInFlight | None = None
         self._previous_depth: int | None = None  # of the drafts the next step verifies
         self._held_depth: int | None = None  # a new depth runs a second step, to be measured cleanly
-        self._unclocked: tuple[int, int, int, float] | None = None  # (batch, depth, tokens, start) of a clean step
+        self._unclocked: tuple | None = None  # (batch, depth, tokens, start, accepted per request) of a clean step
         self.clock = time.perf_counter
         """What times a step; a test gives a step counter instead, so that every reward is exact."""
 
@@ -117,9 +118,9 @@ class AdaptiveSpeculationScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         started = self.clock()
         if self._unclocked is not None:  # the previous step ends here: credit it
-            batch_size, depth, tokens, step_started = self._unclocked
+            batch_size, depth, tokens, step_started, accepted = self._unclocked
             self._unclocked = None
-            self.bandit.observe_step(batch_size, depth, tokens, started - step_started)
+            self.bandit.observe_step(batch_size, depth, tokens, started - step_started, accepted)
         output = super().schedule(*args, **kwargs)
         batch_size = len(output.num_scheduled_tokens)
         if batch_size == 0:
@@ -160,24 +161,28 @@ class AdaptiveSpeculationScheduler(Scheduler):
         step, self._in_flight = self._in_flight, None
         if step is None:
             return outputs
-        self._observe_drafts(scheduler_output, model_runner_output)
+        accepted = self._observe_drafts(scheduler_output, model_runner_output)
         clean = step.decode_only and step.depth == self._previous_depth
         # pinned steps are not the bandit's choices: they would skew its pull counts
         if clean and not self.pinned and self.get_num_unfinished_requests() > 0:
             tokens = sum(len(ids) for ids in model_runner_output.sampled_token_ids or ())
-            self._unclocked = (step.batch_size, step.depth, tokens, step.started)
+            self._unclocked = (step.batch_size, step.depth, tokens, step.started, accepted)
         self._previous_depth = step.depth
         return outputs
 
-    def _observe_drafts(self, scheduler_output, model_runner_output) -> None:
-        """Each request's drafts verified in this step and how many were accepted (as vLLM's own stats count)."""
+    def _observe_drafts(self, scheduler_output, model_runner_output) -> list[int]:
+        """Each request's drafts verified in this step and how many were accepted (as vLLM's own stats count);
+        returns the accepted counts."""
         sampled = model_runner_output.sampled_token_ids
         if not sampled:
-            return
+            return []
         index = model_runner_output.req_id_to_index
+        counts = []
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             if drafts and req_id in index:
-                self.bandit.observe_drafts(req_id, len(drafts), max(len(sampled[index[req_id]]) - 1, 0))
+                counts.append(max(len(sampled[index[req_id]]) - 1, 0))
+                self.bandit.observe_drafts(req_id, len(drafts), counts[-1])
+        return counts
 
     def drain_step_log(self) -> list[tuple[int, int]]:
         log, self.step_log = self.step_log, []

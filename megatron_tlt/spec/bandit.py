@@ -12,6 +12,10 @@ single rewards. Either median shrugs off a noisy step time (a GC pause, a weight
 batches a step's reward takes only a few values (batch 1, depth K: 1..K+1 tokens), and the median of
 so few values is not the throughput. At batch 1 on the tiny default the plain median said 353
 tokens/s for K=2 and 277 for K=1, where their steps made 274 and 221.
+
+With ``credit: shallower`` a step at depth K also measures every shallower depth: the tokens each request
+would have made (``observe_step``'s ``accepted``), and a depth's estimate is its tokens per request times
+its requests per second (``SpeculationConfig.credit``).
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ import dataclasses
 import math
 import random
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from megatron_tlt.config import ConfigError, SpeculationConfig
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the windows of credit "shallower" (yields, paces)
 
 
 class BanditConfigError(ConfigError):
@@ -52,6 +56,9 @@ class BucketedEpsilonGreedy:
         # Own generator, so the engine's other randomness neither disturbs nor is disturbed by ours.
         self._rng = random.Random(seed)
         self._rewards = [[self._new_window() for _ in self._depths] for _ in range(self.num_buckets)]
+        # credit "shallower": tokens per request (own and deeper steps) and requests per second (own steps)
+        self._yields = [[self._new_window() for _ in self._depths] for _ in range(self.num_buckets)]
+        self._paces = [[self._new_window() for _ in self._depths] for _ in range(self.num_buckets)]
         self._pulls = [[0] * len(self._depths) for _ in range(self.num_buckets)]
 
     def _new_window(self, values: Iterable[float] = ()) -> collections.deque[float]:
@@ -116,10 +123,24 @@ class BucketedEpsilonGreedy:
             return
         self._rewards[bucket][arm].append(float(reward))
 
-    def observe_step(self, batch_size: int, depth: int, tokens: int, seconds: float) -> None:
-        """A clean decode step of ``batch_size`` sequences at ``depth`` made ``tokens`` in ``seconds``."""
-        if seconds > 0:
-            self.observe(self.bucket_of(batch_size), depth, tokens / seconds)
+    def observe_step(self, batch_size: int, depth: int, tokens: int, seconds: float,
+                     accepted: Sequence[int] = ()) -> None:
+        """A clean decode step of ``batch_size`` sequences at ``depth`` made ``tokens`` in ``seconds``;
+        ``accepted``: how many drafts each request that drafted had accepted (credit "shallower" reads it)."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        bucket = self.bucket_of(batch_size)
+        self.observe(bucket, depth, tokens / seconds)
+        if self.settings.credit == "own":
+            return
+        arm = self._check_depth(depth)
+        self._paces[bucket][arm].append(batch_size / seconds)
+        self._yields[bucket][arm].append(tokens / batch_size)
+        for shallower in self._depths:
+            if shallower < depth:
+                # its drafts would be the first `shallower` of these; every request makes one token more
+                made = batch_size + sum(min(count, shallower) for count in accepted)
+                self._yields[bucket][self._arm[shallower]].append(made / batch_size)
 
     def observe_drafts(self, request_id: str, drafted: int, accepted: int) -> None:
         """Per-request acceptance: the goodput model's input; the bandit's reward already holds it."""
@@ -128,13 +149,20 @@ class BucketedEpsilonGreedy:
         """The goodput model's per-request counts; the bandit keeps none."""
 
     def estimate(self, bucket: int, depth: int) -> float | None:
-        """Median of the block means of the arm's reward window, or None if the arm was never observed."""
+        """Median of the block means of the arm's reward window (credit "shallower": of its tokens per request
+        times that of its requests per second), or None if the arm was never observed."""
         self._check_bucket(bucket)
-        window = list(self._rewards[bucket][self._check_depth(depth)])
-        if not window:
+        arm = self._check_depth(depth)
+        if not self._rewards[bucket][arm]:
             return None
+        if self.settings.credit == "own" or not self._paces[bucket][arm]:  # a state saved under credit "own"
+            return self._block_median(self._rewards[bucket][arm])
+        return self._block_median(self._yields[bucket][arm]) * self._block_median(self._paces[bucket][arm])
+
+    def _block_median(self, values: Iterable[float]) -> float:
+        window = list(values)
         blocks = min(self.settings.median_blocks, len(window))
-        # Block b holds rewards [b*n//blocks, (b+1)*n//blocks): sizes differ by at most one.
+        # Block b holds values [b*n//blocks, (b+1)*n//blocks): sizes differ by at most one.
         edges = [b * len(window) // blocks for b in range(blocks + 1)]
         return statistics.median(statistics.fmean(window[lo:hi]) for lo, hi in zip(edges, edges[1:]))
 
@@ -174,6 +202,8 @@ class BucketedEpsilonGreedy:
             "policy": self.kind,
             "settings": settings,
             "rewards": [[list(w) for w in windows] for windows in self._rewards],
+            "yields": [[list(w) for w in windows] for windows in self._yields],
+            "paces": [[list(w) for w in windows] for windows in self._paces],
             "pulls": [list(p) for p in self._pulls],
             "rng": [version, list(internal), gauss_next],
         }
@@ -197,6 +227,9 @@ class BucketedEpsilonGreedy:
         version, internal, gauss_next = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss_next))
         self._rewards = [[self._new_window(w) for w in windows] for windows in state["rewards"]]
+        empty = [[[] for _ in self._depths] for _ in range(self.num_buckets)]  # a version 1 state has none
+        self._yields = [[self._new_window(w) for w in windows] for windows in state.get("yields", empty)]
+        self._paces = [[self._new_window(w) for w in windows] for windows in state.get("paces", empty)]
         self._pulls = [list(p) for p in state["pulls"]]
 
     def _check_bucket(self, bucket: int) -> None:

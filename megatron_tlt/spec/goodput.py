@@ -27,7 +27,7 @@ import collections
 import dataclasses
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,8 +98,10 @@ class GoodputDepthModel:
             self._positions[k].reached += 1
             self._positions[k].accepted += k < accepted
 
-    def observe_step(self, batch_size: int, depth: int, tokens: int, seconds: float) -> None:
-        """A clean decode step: ``batch_size`` requests at ``depth`` took ``seconds`` (``tokens`` is BEG-MAB's)."""
+    def observe_step(self, batch_size: int, depth: int, tokens: int, seconds: float,
+                     accepted: Sequence[int] = ()) -> None:
+        """A clean decode step: ``batch_size`` requests at ``depth`` took ``seconds`` (``tokens`` and ``accepted``
+        are BEG-MAB's; this model counts acceptance per request, in ``observe_drafts``)."""
         if depth not in self._pulls:
             raise ValueError(f"depth {depth} is not one of the arms {self._depths}.")
         if not (math.isfinite(seconds) and seconds > 0):

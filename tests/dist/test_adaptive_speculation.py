@@ -95,6 +95,11 @@ def _adaptive_engine_on_rank(workdir: str):
             out["restored_summary"] = engine.bandit_summary()
             _goodput_on_the_same_engine(engine, fixture, depth_policy_for(
                 dataclasses.replace(bandit, policy="goodput", epsilon=0.0, window=300), K), greedy, out)
+            engine.load_drafter(fixture["good_drafter"])
+            engine.swap_depth_policy(depth_policy_for(dataclasses.replace(bandit, credit="shallower"), K))
+            engine.adaptive_scheduler().clock = _StepCounter()
+            engine.generate(PROMPTS, greedy)
+            out["shallower_state"] = engine.bandit_state()
         finally:
             engine.close()
     return out
@@ -153,6 +158,18 @@ def test_rewards_are_credited_to_the_depth_that_earned_them(adaptive):
     assert bad == {k: batch * 1.0 for k in range(K + 1)}, bad
     assert adaptive["good_summary"]["5-8"]["best"] == K
     assert adaptive["bad_summary"]["5-8"]["best"] == 0
+
+
+def test_shallower_credit_reads_every_requests_accepted_drafts_from_vllm(adaptive):
+    """With the drafter that is always right, a depth-k step's requests each accepted k drafts, so every depth
+    below k is credited k' + 1 tokens per request; the shallow depths get more token counts than own steps."""
+    state = adaptive["shallower_state"]
+    bucket = 3  # batch 5-8 (bounds 1, 2, 4, 8): the 8 prompts
+    yields, rewards = state["yields"][bucket], state["rewards"][bucket]
+    for k in range(K + 1):
+        assert yields[k] and set(yields[k]) == {k + 1.0}, (k, yields[k])
+    assert all(len(yields[k]) > len(rewards[k]) for k in range(K)), (yields, rewards)
+    assert len(yields[K]) == len(rewards[K])
 
 
 def test_the_rollouts_speedup_estimate_weighs_each_step_by_its_depths_rate_over_depth_zeros(adaptive):

@@ -257,6 +257,66 @@ def test_block_means_shrug_off_outliers_in_a_minority_of_blocks():
     assert few.estimate(0, 2) == 200.0
 
 
+def test_a_step_credits_each_shallower_depth_with_the_tokens_its_first_drafts_would_have_made():
+    bandit = make(depths=(0, 1, 2, 3), credit="shallower")
+    # batch 4 at depth 3: the requests accepted 3, 1, 0 and 2 of their drafts, 10 tokens in 0.02 s
+    bandit.observe_step(4, 3, 10, 0.02, accepted=[3, 1, 0, 2])
+    yields = bandit.state_dict()["yields"][bandit.bucket_of(4)]
+    assert yields == [[1.0], [(4 + 1 + 1 + 0 + 1) / 4], [(4 + 2 + 1 + 0 + 2) / 4], [10 / 4]]
+    assert bandit.estimate(2, 3) == pytest.approx(10 / 4 * (4 / 0.02))  # tokens per request x requests/s
+    assert bandit.estimate(2, 1) is None  # measured tokens, but never timed: it is still untried
+    bandit.observe_step(3, 1, 5, 0.01, accepted=[1, 1, 0])
+    # depth 1's tokens per request: the block median of 7/4 (credited) and 5/3 (its own); its pace: 300/s
+    assert bandit.estimate(2, 1) == pytest.approx(statistics.median([7 / 4, 5 / 3]) * 300)
+    own = make(depths=(0, 1, 2, 3))
+    own.observe_step(4, 3, 10, 0.02, accepted=[3, 1, 0, 2])
+    assert own.estimate(2, 3) == pytest.approx(500.0)
+    assert own.state_dict()["yields"][2] == [[], [], [], []]
+
+
+def _batch1_step(bandit: BucketedEpsilonGreedy, rng: random.Random) -> int:
+    """A step at batch 1 on a drafter whose j-th draft survives with BATCH1_ACCEPT[j-1]: it yields 1..K+1 tokens."""
+    depth = bandit.choose(1)
+    accepted = 0
+    while accepted < depth and rng.random() < BATCH1_ACCEPT[accepted]:
+        accepted += 1
+    bandit.observe_step(1, depth, accepted + 1, batch1_seconds(depth), accepted=[accepted])
+    return depth
+
+
+BATCH1_ACCEPT = (0.85, 0.75, 0.6, 0.5, 0.4)
+
+
+def batch1_seconds(depth: int) -> float:
+    return 0.010 + 0.0012 * depth  # a step's time is smooth: the tokens are what is noisy at batch 1
+
+
+def batch1_throughput(depth: int) -> float:
+    survive, tokens = 1.0, 1.0
+    for rate in BATCH1_ACCEPT[:depth]:
+        survive *= rate
+        tokens += survive
+    return tokens / batch1_seconds(depth)
+
+
+def test_shallower_credit_picks_better_depths_where_rewards_are_noisy():
+    """At batch 1 a reward takes only K+1 values; credit from deeper steps gives the shallow depths many more
+    token counts. Over 40 seeded runs of 400 steps (the same seeds, the same world) the depth each run ends up
+    exploiting falls short of the best by 1.3% on average, against 2.2% with own credit."""
+    depths = tuple(range(MAX_DEPTH + 1))
+    best = max(batch1_throughput(k) for k in depths)
+    shortfall = {}
+    for credit in ("own", "shallower"):
+        runs = []
+        for seed in range(40):
+            bandit, rng = make(depths=depths, credit=credit, exploration="neighbours", seed=seed), random.Random(seed)
+            for _ in range(400):
+                _batch1_step(bandit, rng)
+            runs.append(1 - batch1_throughput(bandit.best_depth(0)) / best)
+        shortfall[credit] = statistics.fmean(runs)
+    assert shortfall["shallower"] < 0.75 * shortfall["own"], shortfall
+
+
 def test_observe_and_estimate_refuse_unknown_arms_and_buckets():
     bandit = make()
     with pytest.raises(ValueError, match="depth 4 is not one of the arms"):
@@ -286,6 +346,26 @@ def test_state_dict_round_trip_through_json_continues_identically():
     assert restored.summary() == original.summary()
     saved, again = json.loads(json.dumps(original.state_dict())), restored.state_dict()
     assert {k: v for k, v in again.items() if k != "settings"} == {k: v for k, v in saved.items() if k != "settings"}
+
+
+def test_shallower_credit_state_round_trips_and_a_state_saved_before_it_still_loads():
+    original, rng = make(depths=tuple(range(MAX_DEPTH + 1)), credit="shallower", seed=3), random.Random(4)
+    for _ in range(200):
+        _batch1_step(original, rng)
+    restored = make(depths=tuple(range(MAX_DEPTH + 1)), credit="shallower", seed=99)
+    restored.load_state_dict(json.loads(json.dumps(original.state_dict())))
+    rng_a, rng_b = random.Random(5), random.Random(5)
+    assert [_batch1_step(original, rng_a) for _ in range(100)] == [_batch1_step(restored, rng_b) for _ in range(100)]
+    assert restored.summary() == original.summary()
+
+    rng = random.Random(6)
+    bandit = make(epsilon=0.3)
+    for _ in range(50):
+        step(bandit, TABLE, rng, 0)
+    older = {k: v for k, v in bandit.state_dict().items() if k not in ("yields", "paces")}
+    again = make(credit="shallower")
+    again.load_state_dict(older)  # rewards only: each estimate is its rewards' until its own steps are timed
+    assert again.summary() == bandit.summary()
 
 
 def test_loading_state_with_other_arms_or_buckets_is_refused():
