@@ -15,6 +15,8 @@ crosses a segment; ``position_ids_t`` is each row's position in its own sequence
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -236,14 +238,16 @@ class EagleDrafter(nn.Module):
         return self.unroll(token_embeds_th, features_th, position_ids_t, segment_ids_t, steps=1)[0][0]
 
     def unroll(self, token_embeds_th: torch.Tensor, features_th: torch.Tensor, position_ids_t: torch.Tensor,
-               segment_ids_t: torch.Tensor, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+               segment_ids_t: torch.Tensor, steps: int, after_step: Callable[[], None] = lambda: None,
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The drafter's predictions at draft steps 1..``steps`` for every row, computed as vLLM drafts them
         (training-time test, as EAGLE-3 and HASS train): step 1 is ``forward``; at step k row s reads, in
         place of the policy's feature f_s, the drafter's own step k-1 output at row s-1 (its prediction of
         f_s), and attends as ``draft_step_masks`` says. Every step predicts the same targets f_{s+1}.
 
         Returns ``(predictions, valid)``: per step a [t, h] prediction and a [t] bool that is False for the
-        first k-1 rows of each segment (no draft chain that long starts inside the segment).
+        first k-1 rows of each segment (no draft chain that long starts inside the segment). ``after_step`` is
+        called after each step (the spot trainer's preemption point: it may raise to abandon the pass).
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
@@ -263,6 +267,7 @@ class EagleDrafter(nn.Module):
                 cos, sin = self.rotary_cos_sin(position_ids_t, fused_th.dtype)
             predictions.append(self.layers[0](fused_th, cos, sin, masks[step - 1], kv_cache))
             valid.append(rows_in_segment_t >= step - 1)
+            after_step()
         return predictions, valid
 
     # -- tensors in vLLM's format -----------------------------------------------------------------------

@@ -7,9 +7,9 @@ device still busy) or TRAINING (a drafter micro-step in flight). Idle is detecte
     (e.g. a colocated engine's last kernels) is not trained on. Without NVML it is said once and the
     engine signal alone decides.
 The end of rollout is an asynchronous barrier over all ranks. Between micro-steps, and inside one
-after its forward and its backward pass, the rank polls it: once the slowest rank is done, the step
-in flight is dropped at the next of those points and no new one starts (preemption), so a rank is
-released within one micro-step (about a third of one, with the backward pass the longest part).
+after each draft step of its forward and of its backward pass, the rank polls it: once the slowest rank
+is done, the step in flight is dropped at the next of those points and no new one starts (preemption),
+so a rank is released within about one draft step's pass (``DrafterTrainer.micro_step``).
 
 Where ranks share one memory bus (a CPU), an idle rank's training slows the ranks still generating; a
 duty cycle below 1 makes it rest between micro-steps in proportion to the time each took.

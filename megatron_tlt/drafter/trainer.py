@@ -34,6 +34,10 @@ FP8_ROW_MULTIPLE = 16
 """Transformer Engine's FP8 GEMMs need row counts divisible by 16: FP8 packs are padded to it."""
 
 
+class _Preempted(Exception):
+    """Raised at a preemption point inside a micro-step: the step in flight is abandoned."""
+
+
 def row_multiple(precision: DrafterPrecision) -> int:
     """What a pack's row count is padded to before the drafter runs on it (``packing.pad_rows``)."""
     return FP8_ROW_MULTIPLE if precision.fp8 else 1
@@ -117,9 +121,11 @@ class DrafterTrainer:
     def micro_step(self, should_stop: Callable[[], bool] = lambda: False) -> int:
         """Train on the next pack (cycling); returns its tokens, 0 when there is nothing to train on.
 
-        ``should_stop`` is asked after the forward and after the backward pass: when it says yes the step
-        is dropped (no update, 0 returned, the pack comes first next time), so a preempted rank is
-        released within the longest of the three parts instead of a whole micro-step.
+        ``should_stop`` is asked after each unrolled draft step of the forward pass, as the backward pass
+        reaches each step's prediction, and after each pass: when it says yes the step is dropped (no update,
+        0 returned, the pack comes first next time). A preempted rank is thus released within about one
+        draft step's forward or backward, not a whole micro-step: packs of whole long sequences make
+        micro-steps of a third of a second on the tiny default's CPU (bench/RESULTS.md).
         """
         if self._embedding_vh is None:
             return 0
@@ -127,12 +133,18 @@ class DrafterTrainer:
         if pack is None:
             return 0
         self.drafter.train()
-        loss, metrics = self._loss(pack.to(self.precision.device))
-        if should_stop():
-            return self._drop(pack)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if should_stop():
+
+        def preemption_point(*_) -> None:  # also a gradient hook: returning None keeps the gradient
+            if should_stop():
+                raise _Preempted
+
+        try:
+            loss, metrics = self._loss(pack.to(self.precision.device), preemption_point)
+            preemption_point()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # a hook raising inside it abandons the rest of the pass
+            preemption_point()
+        except _Preempted:
             return self._drop(pack)
         self.optimizer.step()
         self._losses.append(float(loss))
@@ -153,16 +165,19 @@ class DrafterTrainer:
             totals["tokens"] += pack.num_tokens
         return totals
 
-    def _loss(self, pack: DrafterPack):
+    def _loss(self, pack: DrafterPack, preemption_point: Callable[..., None] | None = None):
         """The mean over the unrolled draft steps of each step's loss on its valid rows; the metrics are
-        step 1's (the first draft token's, comparable whatever the unrolling)."""
+        step 1's (the first draft token's, comparable whatever the unrolling). ``preemption_point`` is
+        called after each draft step's forward, and by a gradient hook on its prediction in the backward."""
         rows = pad_rows(pack, row_multiple(self.precision))
         with autocast(self.precision):
             predictions, valid = self.drafter.unroll(self._embedding_vh[rows.input_ids_t], rows.features_th,
                                                      rows.position_ids_t, rows.segment_ids_t,
-                                                     self.settings.unroll_steps)
+                                                     self.settings.unroll_steps, preemption_point or (lambda: None))
         losses, first_metrics = [], None
         for pred_th, valid_t in zip(predictions, valid):
+            if preemption_point is not None and pred_th.requires_grad:
+                pred_th.register_hook(preemption_point)
             # The padding rows are cut off: the loss and its metrics see the pack's own rows only.
             keep_t = valid_t[:pack.num_tokens]
             if not bool(keep_t.any()):  # every segment shorter than this draft step

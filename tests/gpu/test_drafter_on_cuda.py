@@ -53,3 +53,32 @@ def test_drafter_micro_steps_on_cuda_lower_the_loss_on_a_fixed_pack(precision, u
     assert (p.name, p.device.type) == (precision, "cuda")
     assert trained == [sum(LENGTHS) - 2 * len(LENGTHS)] * MICRO_STEPS  # every step trained the whole pack
     assert after["loss_sum"] < 0.8 * before["loss_sum"], (before, after)
+
+
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=pytest.mark.needs("fp8"))])
+def test_a_micro_step_preempted_inside_the_backward_on_cuda_is_dropped_without_an_update(precision):
+    """The backward's preemption points are gradient hooks; on CUDA the autograd engine runs them on its
+    device thread, and the hook's exception must still reach the trainer and drop the step."""
+    from megatron_tlt.drafter.precision import resolve_precision
+    from megatron_tlt.config import DrafterConfig
+    from megatron_tlt.drafter.trainer import DrafterTrainer
+
+    settings = DrafterConfig(lr=3e-3, buffer_tokens=4096, pack_tokens=1024, unroll_steps=4)
+    trainer = DrafterTrainer(LLAMA, settings, seed=0, precision=resolve_precision(precision))
+    heads, token_ids, features = _next_token_target_sequences()
+    trainer.set_policy_heads(heads)
+    p = trainer.precision
+    trainer.add_sequences(token_ids, [f.to(p.device, p.dtype) for f in features])
+    before = [t.detach().clone() for t in trainer.drafter.parameters()]
+    grad_modes = []
+
+    def stop_inside_the_backward() -> bool:
+        grad_modes.append(torch.is_grad_enabled())
+        return not grad_modes[-1]  # grad mode is off only inside the backward pass
+
+    assert trainer.micro_step(stop_inside_the_backward) == 0
+    assert grad_modes == [True] * 5 + [False] and trainer.dropped_steps == 1
+    assert all(t.grad is None for t in trainer.drafter.parameters())
+    for old, new in zip(before, trainer.drafter.parameters()):
+        torch.testing.assert_close(new, old, rtol=0, atol=0)
+    assert trainer.micro_step() == sum(LENGTHS) - 2 * len(LENGTHS)  # the same pack, now trained
