@@ -351,9 +351,10 @@ class DrafterConfig:
     buffer_tokens: int = 65536
     """Feature rows kept for drafter training; the oldest whole sequences are dropped first."""
     pack_tokens: int = 1024
-    """Training rows per drafter micro-step: also the preemption granularity. A sequence with more rows is split
-    into chunks that cannot attend to the earlier ones, so keep it above the longest prompt + response: at 256 the
-    tiny default's drafter accepted half as many tokens in the rollout's long tail (bench/RESULTS.md)."""
+    """Training rows per drafter micro-step (a preempted one stops within one draft step). A sequence with more
+    rows is split into chunks that cannot attend to the earlier ones, so keep it above the longest prompt +
+    response: at 256 the tiny default's drafter accepted half as many tokens in the rollout's long tail
+    (bench/RESULTS.md)."""
     hidden_weight: float = 1.0
     ce_weight: float = 0.1
     unroll_steps: int = 1

@@ -38,6 +38,10 @@ class _Preempted(Exception):
     """Raised at a preemption point inside a micro-step: the step in flight is abandoned."""
 
 
+def _no_preemption(*_) -> None:
+    """The preemption point of a pass nobody preempts (``evaluate``)."""
+
+
 def row_multiple(precision: DrafterPrecision) -> int:
     """What a pack's row count is padded to before the drafter runs on it (``packing.pad_rows``)."""
     return FP8_ROW_MULTIPLE if precision.fp8 else 1
@@ -165,7 +169,7 @@ class DrafterTrainer:
             totals["tokens"] += pack.num_tokens
         return totals
 
-    def _loss(self, pack: DrafterPack, preemption_point: Callable[..., None] | None = None):
+    def _loss(self, pack: DrafterPack, preemption_point: Callable[..., None] = _no_preemption):
         """The mean over the unrolled draft steps of each step's loss on its valid rows; the metrics are
         step 1's (the first draft token's, comparable whatever the unrolling). ``preemption_point`` is
         called after each draft step's forward, and by a gradient hook on its prediction in the backward."""
@@ -173,10 +177,10 @@ class DrafterTrainer:
         with autocast(self.precision):
             predictions, valid = self.drafter.unroll(self._embedding_vh[rows.input_ids_t], rows.features_th,
                                                      rows.position_ids_t, rows.segment_ids_t,
-                                                     self.settings.unroll_steps, preemption_point or (lambda: None))
+                                                     self.settings.unroll_steps, preemption_point)
         losses, first_metrics = [], None
         for pred_th, valid_t in zip(predictions, valid):
-            if preemption_point is not None and pred_th.requires_grad:
+            if pred_th.requires_grad:  # not under evaluate's no_grad
                 pred_th.register_hook(preemption_point)
             # The padding rows are cut off: the loss and its metrics see the pack's own rows only.
             keep_t = valid_t[:pack.num_tokens]
