@@ -31,11 +31,11 @@ def _next_token_target_sequences():
     return target, token_ids, features
 
 
-@pytest.mark.parametrize("unroll_steps", [1, 4])
-@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=pytest.mark.needs("fp8"))])
-def test_drafter_micro_steps_on_cuda_lower_the_loss_on_a_fixed_pack(precision, unroll_steps):
-    from megatron_tlt.drafter.precision import resolve_precision
+def _trainer_with_one_pack(precision: str, unroll_steps: int):
+    """A drafter trainer at ``precision`` whose buffer holds the target's sequences as one pack; returns it with
+    the sequences' token ids and features (on the trainer's device and dtype, as the log-prob pass leaves them)."""
     from megatron_tlt.config import DrafterConfig
+    from megatron_tlt.drafter.precision import resolve_precision
     from megatron_tlt.drafter.trainer import DrafterTrainer
 
     settings = DrafterConfig(lr=3e-3, buffer_tokens=4096, pack_tokens=1024, hidden_weight=1.0, ce_weight=0.1,
@@ -44,8 +44,16 @@ def test_drafter_micro_steps_on_cuda_lower_the_loss_on_a_fixed_pack(precision, u
     heads, token_ids, features = _next_token_target_sequences()
     trainer.set_policy_heads(heads)
     p = trainer.precision
-    features = [f.to(p.device, p.dtype) for f in features]  # where and as the log-prob pass leaves them
+    features = [f.to(p.device, p.dtype) for f in features]
     trainer.add_sequences(token_ids, features)
+    return trainer, token_ids, features
+
+
+@pytest.mark.parametrize("unroll_steps", [1, 4])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=pytest.mark.needs("fp8"))])
+def test_drafter_micro_steps_on_cuda_lower_the_loss_on_a_fixed_pack(precision, unroll_steps):
+    trainer, token_ids, features = _trainer_with_one_pack(precision, unroll_steps)
+    p = trainer.precision
     assert trainer.packs_in_buffer() == 1
     before = trainer.evaluate(token_ids, features)
     trained = [trainer.micro_step() for _ in range(MICRO_STEPS)]
@@ -59,16 +67,7 @@ def test_drafter_micro_steps_on_cuda_lower_the_loss_on_a_fixed_pack(precision, u
 def test_a_micro_step_preempted_inside_the_backward_on_cuda_is_dropped_without_an_update(precision):
     """The backward's preemption points are gradient hooks; on CUDA the autograd engine runs them on its
     device thread, and the hook's exception must still reach the trainer and drop the step."""
-    from megatron_tlt.drafter.precision import resolve_precision
-    from megatron_tlt.config import DrafterConfig
-    from megatron_tlt.drafter.trainer import DrafterTrainer
-
-    settings = DrafterConfig(lr=3e-3, buffer_tokens=4096, pack_tokens=1024, unroll_steps=4)
-    trainer = DrafterTrainer(LLAMA, settings, seed=0, precision=resolve_precision(precision))
-    heads, token_ids, features = _next_token_target_sequences()
-    trainer.set_policy_heads(heads)
-    p = trainer.precision
-    trainer.add_sequences(token_ids, [f.to(p.device, p.dtype) for f in features])
+    trainer, _, _ = _trainer_with_one_pack(precision, unroll_steps=4)
     before = [t.detach().clone() for t in trainer.drafter.parameters()]
     grad_modes = []
 
