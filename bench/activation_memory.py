@@ -4,6 +4,7 @@ estimate of each.
 
     python bench/activation_memory.py                       # 4096 tokens, 4 layers, hidden 256, fp32
     python bench/activation_memory.py --seq-len 2048 --layers 8
+    python bench/activation_memory.py --dtype bfloat16      # on a GPU: the dtype a GPU trains in
 
 One rank, micro-batch 1, a randomly initialised Llama (8 heads, 4 KV heads, head_dim 32, FFN 688, vocabulary
 500). Each spec is built in its own parallel layout (Megatron's global buffers start empty), takes a
@@ -46,7 +47,7 @@ def _measure(args: argparse.Namespace) -> list[int]:
         g = torch.Generator().manual_seed(0)
         short, full = (torch.randint(0, arch.vocab_size, (1, n + 1), generator=g) for n in (32, args.seq_len))
         with ParallelLayout():
-            model = mcore.build_gpt_model(arch, dtype="float32", padded_vocab_size=arch.padded_vocab_size(1),
+            model = mcore.build_gpt_model(arch, dtype=args.dtype, padded_vocab_size=arch.padded_vocab_size(1),
                                           per_token_loss=True,
                                           options=BuildOptions(attention=attention, recompute=recompute))
             model = mcore.wrap_ddp(model)
@@ -60,10 +61,11 @@ def _measure(args: argparse.Namespace) -> list[int]:
 
 def _planned(args: argparse.Namespace) -> list[float]:
     from megatron_tlt.model_config import architecture_from_dict
-    from megatron_tlt.plan_memory import FP32, ActivationSetting, stage_activations
+    from megatron_tlt.plan_memory import DTYPE_BYTES, ActivationSetting, stage_activations
 
     arch = architecture_from_dict(_model(args))
-    return [stage_activations(arch, ActivationSetting(seq_len=args.seq_len, attention=a, recompute=r, param_bytes=FP32),
+    return [stage_activations(arch, ActivationSetting(seq_len=args.seq_len, attention=a, recompute=r,
+                                                                param_bytes=DTYPE_BYTES[args.dtype]),
                               num_layers=args.layers, in_flight=1, first_stage=True, last_stage=True,
                               padded_vocab_size=arch.padded_vocab_size(1)).peak_bytes for a, r in SPECS]
 
@@ -73,13 +75,17 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256, help="a multiple of 256 (8 heads)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     measured = run_on_ranks(_measure, 1, args)[0]
     planned = _planned(args)
     mib = 2**20
     names = [f"{a}, recompute {r}" for a, r in SPECS]
+    import torch
+
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"step peak above the model state, {args.layers} layers, hidden {args.hidden}, {args.seq_len} tokens, "
-          "fp32, one rank, micro-batch 1")
+          f"{args.dtype}, one rank, micro-batch 1, {where}")
     print(f"{'':22}" + "".join(f"{n:>24}" for n in names))
     print(f"{'measured (MiB)':22}" + "".join(f"{m / mib:>24.1f}" for m in measured))
     print(f"{'tlt plan (MiB)':22}" + "".join(f"{p / mib:>24.1f}" for p in planned))

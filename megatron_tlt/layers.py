@@ -24,6 +24,15 @@ import torch
 import torch.nn.functional as F
 
 
+def _no_blockwise_gqa_kernel(query: torch.Tensor) -> bool:
+    """True where SDPA would answer grouped KV heads (``enable_gqa``) with its math kernel, which keeps the
+    [b, heads, s, s] scores: on CUDA in fp32 (flash takes only fp16/bf16; the memory-efficient kernel takes
+    fp32 but not ``enable_gqa``). Measured on an H200: a 4096-token fp32 step then kept 2.4x the planned
+    activations. Copying the grouped heads out (2 x [b, heads, s, d], linear in s) lets the memory-efficient
+    kernel run. On CPU the flash kernel takes grouped heads in fp32; on CUDA in bf16/fp16 flash takes them."""
+    return query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16)
+
+
 class SDPACoreAttention(torch.nn.Module):
     """Causal attention through ``F.scaled_dot_product_attention`` (built by Megatron's layer spec)."""
 
@@ -42,10 +51,14 @@ class SDPACoreAttention(torch.nn.Module):
         if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
             raise ValueError("SDPA core attention takes no explicit mask, bias or packed sequences")
         sq, b, heads, d = query.shape
-        # [s, b, n, d] -> [b, n, s, d]; grouped KV heads are shared by enable_gqa, not copied.
+        # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        grouped = k.shape[1] != heads
+        if grouped and _no_blockwise_gqa_kernel(q):
+            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+            grouped = False
         out_bnsd = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                  enable_gqa=k.shape[1] != heads)
+                                                  enable_gqa=grouped)
         return out_bnsd.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
 
 
