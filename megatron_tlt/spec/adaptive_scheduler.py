@@ -82,6 +82,9 @@ class AdaptiveSpeculationScheduler(Scheduler):
         """Depth by batch size from a pinned vLLM table (``pin_depth_table``); None: not pinned."""
         self.step_log: list[tuple[int, int]] = []
         """(batch size, depth) of every step since the engine last drained it."""
+        self.draft_log: list[list[tuple[str, int]]] = []
+        """Per step since the engine last drained it: (request, drafts accepted) of each request whose drafts the
+        step verified (``spec/depth_headroom.py`` reads the outcomes of a rollout at the deepest depth)."""
         self._in_flight: _StepInFlight | None = None
         self._previous_depth: int | None = None  # of the drafts the next step verifies
         self._held_depth: int | None = None  # a new depth runs a second step, to be measured cleanly
@@ -161,7 +164,9 @@ class AdaptiveSpeculationScheduler(Scheduler):
         step, self._in_flight = self._in_flight, None
         if step is None:
             return outputs
-        accepted = self._observe_drafts(scheduler_output, model_runner_output)
+        outcomes = self._observe_drafts(scheduler_output, model_runner_output)
+        self.draft_log.append(outcomes)
+        accepted = [count for _, count in outcomes]
         clean = step.decode_only and step.depth == self._previous_depth
         # pinned steps are not the bandit's choices: they would skew its pull counts
         if clean and not self.pinned and self.get_num_unfinished_requests() > 0:
@@ -170,20 +175,25 @@ class AdaptiveSpeculationScheduler(Scheduler):
         self._previous_depth = step.depth
         return outputs
 
-    def _observe_drafts(self, scheduler_output, model_runner_output) -> list[int]:
+    def _observe_drafts(self, scheduler_output, model_runner_output) -> list[tuple[str, int]]:
         """Each request's drafts verified in this step and how many were accepted (as vLLM's own stats count);
-        returns the accepted counts."""
+        returns (request, accepted) per request that drafted."""
         sampled = model_runner_output.sampled_token_ids
         if not sampled:
             return []
         index = model_runner_output.req_id_to_index
-        counts = []
+        outcomes = []
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             if drafts and req_id in index:
-                counts.append(max(len(sampled[index[req_id]]) - 1, 0))
-                self.bandit.observe_drafts(req_id, len(drafts), counts[-1])
-        return counts
+                accepted = max(len(sampled[index[req_id]]) - 1, 0)
+                outcomes.append((req_id, accepted))
+                self.bandit.observe_drafts(req_id, len(drafts), accepted)
+        return outcomes
 
     def drain_step_log(self) -> list[tuple[int, int]]:
         log, self.step_log = self.step_log, []
+        return log
+
+    def drain_draft_log(self) -> list[list[tuple[str, int]]]:
+        log, self.draft_log = self.draft_log, []
         return log

@@ -91,6 +91,9 @@ class RolloutResult:
     """Wall time of each engine step."""
     step_depths: list[int] = dataclasses.field(default_factory=list)
     """Speculation depth of each engine step where BEG-MAB chooses it (else empty)."""
+    step_drafts: list[list[tuple[str, int]]] = dataclasses.field(default_factory=list)
+    """Per engine step of an engine with adaptive speculation (chosen or pinned; else empty): (request, drafts
+    accepted) of each request whose drafts the step verified."""
     speedup_estimate: float | None = None
     """This rollout's time at depth 0 / its time, from the depth policy's rates (``spec/speedup_estimate.py``);
     None without adaptive speculation or where the policy knows too few rates."""
@@ -334,12 +337,14 @@ class RolloutEngine:
         seconds = time.perf_counter() - started
         scheduler = self.adaptive_scheduler()
         step_log = scheduler.drain_step_log() if scheduler is not None else []
+        step_drafts = scheduler.drain_draft_log() if scheduler is not None else []
         estimate = None
         if scheduler is not None and not scheduler.pinned and len(step_log) == len(steps):  # one entry per step
             timed = [(batch, depth, step_s) for (batch, depth), (_, step_s) in zip(step_log, steps)]
             estimate = speedup_over_depth0(timed, scheduler.bandit.rate)
         return RolloutResult(
             step_depths=[depth for _, depth in step_log],
+            step_drafts=step_drafts,
             speedup_estimate=estimate,
             step_batch_sizes=[batch for batch, _ in steps],
             step_seconds=[step_s for _, step_s in steps],

@@ -72,7 +72,9 @@ def _adaptive_engine_on_rank(workdir: str):
             out["good_summary"] = engine.bandit_summary()
             saved = engine.bandit_state()
             engine.pin_speculation_depth(1)
-            out["pinned_depths"] = engine.generate(PROMPTS, greedy).step_depths
+            pinned = engine.generate(PROMPTS, greedy)
+            out["pinned_depths"], out["pinned_drafts"] = pinned.step_depths, pinned.step_drafts
+            out["pinned_accepted"] = pinned.spec.num_accepted_tokens
             engine.pin_speculation_depth(None)
             engine.pin_speculation_table([(1, 3, 3), (4, 6, 0), (7, 256, 2)])
             out["table_steps"], out["table_greedy"] = [], []
@@ -197,8 +199,16 @@ def test_sampling_with_per_step_depths_matches_the_targets_distribution(adaptive
     assert min(p_values) > SIGNIFICANCE, p_values
 
 
-def test_a_pinned_depth_runs_every_step_at_it(adaptive):
+def test_a_pinned_depth_runs_every_step_at_it_and_reports_each_requests_accepted_drafts(adaptive):
     assert set(adaptive["pinned_depths"]) == {1}
+    drafts = adaptive["pinned_drafts"]
+    assert len(drafts) == len(adaptive["pinned_depths"])  # one entry per engine step
+    outcomes = [accepted for step in drafts for _, accepted in step]
+    assert outcomes.count(1) > 0.9 * len(outcomes)  # the exact drafter's one draft is accepted
+    # as vLLM's own counters count them, but for the step that reaches max_tokens, which keeps only the tokens
+    # the response still had room for (vLLM counts the draft accepted): one at most per request
+    assert 0 <= adaptive["pinned_accepted"] - sum(outcomes) <= len(PROMPTS)
+    assert len({request for step in drafts for request, _ in step}) == len(PROMPTS)
 
 
 def test_a_pinned_vllm_table_runs_each_step_at_the_depth_of_its_batch_size_and_teaches_the_bandit_nothing(adaptive):
