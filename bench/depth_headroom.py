@@ -1,0 +1,119 @@
+"""What could any adaptive speculation depth gain over the best fixed depth on the default's rollouts? Ceilings.
+
+    python bench/depth_headroom.py                          # depths 0,4,8,12,16; 4 rounds of 8 prompts x 8 samples
+    python bench/depth_headroom.py --depths 0,2,4,6,8 --rounds 6
+    python bench/depth_headroom.py -- rollout.temperature=0.7   # config overrides after --
+
+One process on the core and thread of one `tlt train` rank, as `tlt bench rollout` runs. One speculating engine
+with the config's cold-start drafter samples new held-out prompts each round at the RL temperature, pinned at each
+depth of --depths in turn (a first, untimed round warms it up). Every step's time gives each batch-size bucket a
+step-cost line in depth; the deepest run records how many drafts each request accepted at each step (the trace).
+From them (``megatron_tlt/spec/depth_headroom.py``) it prints the time the traced work would take
+  * at each fixed depth 0..deepest,
+  * at the best depth of each batch-size bucket: the ceiling of BEG-MAB and of vLLM's per-batch-size table,
+  * at the best depth per bucket and per the requests' last outcome: the ceiling of a policy that reads
+    acceptance streaks (the goodput model's per-request rates, draft-length heuristics),
+  * clairvoyant, each step at its own best depth,
+each as a speedup over the best fixed depth. The ceilings choose knowing the trace and pay nothing to explore:
+where they lie within a few percent of the best fixed depth, no adaptive policy can beat it by more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+from pathlib import Path
+
+CONFIG = "tiny"
+
+
+def _measure(args: argparse.Namespace) -> tuple[list, list, object, list[float]]:
+    """(batch, depth, seconds) of every timed step, the deepest depth's traces, the speculation settings, and the
+    deepest runs' acceptance lengths."""
+    from megatron_tlt.commands.bench_rollout import _prompt_sets
+    from megatron_tlt.commands.start import cold_start_drafter
+    from megatron_tlt.config import load_config
+    from megatron_tlt.drafter import store
+    from megatron_tlt.drafter.tlt_drafter import FrozenDrafter
+    from megatron_tlt.parallel import ParallelLayout
+    from megatron_tlt.rl.rank_session import RankSession
+    from megatron_tlt.spec.engine import SpeculativeSettings
+
+    config = load_config(CONFIG, args.overrides)
+    config.data.held_out_prompts = max(config.data.held_out_prompts, args.prompts * (args.rounds + 1))
+    drafter_dir = cold_start_drafter(CONFIG, args.overrides)
+    deepest = max(args.depths)
+    # an engine whose depth can be pinned per rollout (the adaptive scheduler), speculating up to the deepest depth
+    adaptive = dataclasses.replace(config.speculation, adaptive=True, depths=sorted({0, *args.depths}))
+    speculation = SpeculativeSettings(num_speculative_tokens=deepest, adaptive=adaptive, seed=config.trainer.seed,
+                                      draft_sampling=config.speculation.draft_sampling)
+    timed, traces, acceptance = [], [], []
+    with ParallelLayout(seed=config.trainer.seed), tempfile.TemporaryDirectory(prefix="tlt-headroom-") as workdir:
+        session = RankSession(config, policy_dir=None, show_progress=False)
+        drafter = FrozenDrafter(store.read_drafter_tensors(drafter_dir, session.task.arch))
+        engine = session.open_engine(Path(workdir) / "spec", speculative=speculation, drafter=drafter)
+        try:
+            session.sync(engine, drafter)
+            prompt_sets = _prompt_sets([e.prompt_ids for e in session.task.held_out], args.prompts, rotate=True)
+            sampling = session.sampling(n=config.rollout.samples_per_prompt, temperature=config.rollout.temperature,
+                                        seed=None)
+            for round_index in range(-1, args.rounds):  # round -1: untimed warm-up
+                prompts = next(prompt_sets)
+                for depth in args.depths:
+                    engine.pin_speculation_depth(depth)
+                    result = engine.generate(prompts, sampling)
+                    if round_index < 0:
+                        continue
+                    timed += [(b, depth, s) for b, s in zip(result.step_batch_sizes, result.step_seconds)]
+                    if depth == deepest:
+                        traces.append(result.step_drafts)
+                        acceptance.append(result.spec.mean_acceptance_length)
+                print(f"round {round_index + 1} of {args.rounds} done", flush=True)
+        finally:
+            session.close()
+    return timed, traces, adaptive, acceptance
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depths", default="0,4,8,12,16",
+                        help="pinned depths that measure the step cost; the deepest also traces acceptance")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout (default: 8, a rank's share)")
+    parser.add_argument("--rounds", type=int, default=4, help="timed rollouts per depth (default: 4)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    args = parser.parse_args()
+    args.depths = sorted({int(d) for d in args.depths.split(",")})
+    if len(args.depths) < 2 or args.depths[0] < 0 or args.rounds < 1 or args.prompts < 1:
+        parser.error("--depths needs two or more depths >= 0; --rounds and --prompts must be >= 1")
+
+    from megatron_tlt.launcher import run_like_rank_zero_of
+
+    run_like_rank_zero_of(2)  # before torch starts its threads: the core and threads of a tlt train rank
+    from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
+    from megatron_tlt.spec.depth_headroom import StepCost, headroom
+
+    timed, traces, settings, acceptance = _measure(args)
+    deepest = max(args.depths)
+    cost = StepCost.fit(timed, settings.bucket_bounds)
+    ceilings = headroom(traces, deepest, cost)
+    labels = BucketedEpsilonGreedy(settings, max_depth=deepest)
+    best = ceilings.best_fixed_depth
+    print(f"\n{args.prompts} prompts x {args.rounds} rounds; acceptance length at depth {deepest}: "
+          f"{statistics.fmean(acceptance):.2f}; {ceilings.steps} traced steps")
+    print("step cost per batch-size bucket, in steps at depth 0 there: "
+          + ", ".join(f"{labels.bucket_label(b)}: 1 + {slope / intercept:.3f} K"
+                      for b, (intercept, slope) in enumerate(cost.lines)))
+    print("time of the traced work at each fixed depth, over the best (depth "
+          f"{best}): " + ", ".join(f"{k}: {t / ceilings.fixed[best]:.3f}" for k, t in ceilings.fixed.items()))
+    print("best depth per bucket, knowing the trace: " + ", ".join(
+        f"{labels.bucket_label(b)}: {k}" for b, k in ceilings.per_bucket_depths.items()))
+    for name, seconds in (("best depth per batch-size bucket (BEG-MAB's, the table's ceiling)", ceilings.per_bucket),
+                          ("best depth per bucket and last outcome", ceilings.per_bucket_and_last_outcome),
+                          ("clairvoyant, each step at its own best depth", ceilings.clairvoyant)):
+        print(f"  {name}: {ceilings.gain(seconds):.3f}x the best fixed depth")
+
+
+if __name__ == "__main__":
+    main()
