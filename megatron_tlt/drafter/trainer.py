@@ -151,7 +151,7 @@ class DrafterTrainer:
         except _Preempted:
             return self._drop(pack)
         self.optimizer.step()
-        self._losses.append(float(loss))
+        self._losses.append(loss.item())
         self._agreements.append(float(metrics["top1_agreement"]))
         self.tokens_trained += pack.num_tokens
         return pack.num_tokens
