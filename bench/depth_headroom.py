@@ -3,6 +3,8 @@
     python bench/depth_headroom.py                          # depths 0,4,8,12,16; 4 rounds of 8 prompts x 8 samples
     python bench/depth_headroom.py --depths 0,2,4,6,8 --rounds 6
     python bench/depth_headroom.py -- rollout.temperature=0.7   # config overrides after --
+    python bench/depth_headroom.py --save-trace trace.json      # keep the trace and the measured step costs
+    python bench/depth_headroom.py --trace trace.json --step-costs costs.json   # price it with another machine's
 
 One process on the core and thread of one `tlt train` rank, as `tlt bench rollout` runs. One speculating engine
 with the config's cold-start drafter samples new held-out prompts each round at the RL temperature, pinned at each
@@ -16,12 +18,17 @@ From them (``megatron_tlt/spec/depth_headroom.py``) it prints the time the trace
   * clairvoyant, each step at its own best depth,
 each as a speedup over the best fixed depth. The ceilings choose knowing the trace and pay nothing to explore:
 where they lie within a few percent of the best fixed depth, no adaptive policy can beat it by more.
+
+``--step-costs`` prices the same traced work with step costs measured elsewhere (``bench/gpu_step_cost.py`` on a
+GPU, rows up to the trace's widest batch): what the ceilings would be where a step costs what it costs there,
+for this drafter's acceptance.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -29,9 +36,9 @@ from pathlib import Path
 CONFIG = "tiny"
 
 
-def _measure(args: argparse.Namespace) -> tuple[list, list, object, list[float]]:
-    """(batch, depth, seconds) of every timed step, the deepest depth's traces, the speculation settings, and the
-    deepest runs' acceptance lengths."""
+def _measure(args: argparse.Namespace) -> dict:
+    """The trace record: the deepest depth, the buckets, the deepest runs' acceptance lengths, (batch, depth,
+    seconds) of every timed step, and the deepest runs' steps ((request, accepted) of each request)."""
     from megatron_tlt.commands.bench_rollout import _prompt_sets
     from megatron_tlt.commands.start import cold_start_drafter
     from megatron_tlt.config import load_config
@@ -73,7 +80,15 @@ def _measure(args: argparse.Namespace) -> tuple[list, list, object, list[float]]
                 print(f"round {round_index + 1} of {args.rounds} done", flush=True)
         finally:
             session.close()
-    return timed, traces, adaptive, acceptance
+    return {"depth": deepest, "bucket_bounds": list(adaptive.bucket_bounds), "acceptance_lengths": acceptance,
+            "timed_steps": timed, "rollouts": traces}
+
+
+def _step_costs_from(path: str, widest_batch: int) -> list:
+    """(batch, depth, seconds) rows of ``bench/gpu_step_cost.py --out``, up to the trace's widest batch."""
+    record = json.loads(Path(path).read_text())
+    print(f"step costs from {path}: {record['device']}, shapes {record['shape']}, context {record['context']}")
+    return [row for row in record["rows"] if row[0] <= widest_batch]
 
 
 def main() -> None:
@@ -82,6 +97,10 @@ def main() -> None:
                         help="pinned depths that measure the step cost; the deepest also traces acceptance")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout (default: 8, a rank's share)")
     parser.add_argument("--rounds", type=int, default=4, help="timed rollouts per depth (default: 4)")
+    parser.add_argument("--save-trace", metavar="PATH", help="write the trace and the measured step costs as JSON")
+    parser.add_argument("--trace", metavar="PATH", help="read a saved trace instead of running rollouts")
+    parser.add_argument("--step-costs", metavar="PATH",
+                        help="price the trace with these step costs (bench/gpu_step_cost.py --out) instead")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     args = parser.parse_args()
     args.depths = sorted({int(d) for d in args.depths.split(",")})
@@ -91,17 +110,25 @@ def main() -> None:
     from megatron_tlt.launcher import run_like_rank_zero_of
 
     run_like_rank_zero_of(2)  # before torch starts its threads: the core and threads of a tlt train rank
+    from megatron_tlt.config import SpeculationConfig
     from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
     from megatron_tlt.spec.depth_headroom import StepCost, headroom
 
-    timed, traces, settings, acceptance = _measure(args)
-    deepest = max(args.depths)
-    cost = StepCost.fit(timed, settings.bucket_bounds)
-    ceilings = headroom(traces, deepest, cost)
-    labels = BucketedEpsilonGreedy(settings, max_depth=deepest)
+    if args.trace:
+        record = json.loads(Path(args.trace).read_text())
+    else:
+        record = _measure(args)
+        if args.save_trace:
+            Path(args.save_trace).write_text(json.dumps(record))
+    deepest, bounds = record["depth"], record["bucket_bounds"]
+    widest = max(len(step) for steps in record["rollouts"] for step in steps)
+    rows = _step_costs_from(args.step_costs, widest) if args.step_costs else record["timed_steps"]
+    cost = StepCost.fit(rows, bounds)
+    ceilings = headroom(record["rollouts"], deepest, cost)
+    labels = BucketedEpsilonGreedy(SpeculationConfig(bucket_bounds=bounds), max_depth=deepest)
     best = ceilings.best_fixed_depth
-    print(f"\n{args.prompts} prompts x {args.rounds} rounds; acceptance length at depth {deepest}: "
-          f"{statistics.fmean(acceptance):.2f}; {ceilings.steps} traced steps")
+    print(f"\n{len(record['rollouts'])} traced rollouts ({ceilings.steps} steps); acceptance length at depth "
+          f"{deepest}: {statistics.fmean(record['acceptance_lengths']):.2f}")
     print("step cost per batch-size bucket, in steps at depth 0 there: "
           + ", ".join(f"{labels.bucket_label(b)}: 1 + {slope / intercept:.3f} K"
                       for b, (intercept, slope) in enumerate(cost.lines)))
