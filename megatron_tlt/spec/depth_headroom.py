@@ -35,6 +35,11 @@ Step = Sequence[tuple[str, int]]
 """(request, drafts accepted) of each request a step verified."""
 
 
+def _bucket_of(bounds: tuple[int, ...], batch: int) -> int:
+    """The bucket of ``batch``: bounds are inclusive upper ends, as ``speculation.bucket_bounds`` (BEG-MAB's)."""
+    return bisect.bisect_left(bounds, batch)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCost:
     """Seconds of an engine step at batch B and depth K: a line in K per batch-size bucket, t_b(K) = a_b + s_b K,
@@ -51,7 +56,7 @@ class StepCost:
         bounds = tuple(bucket_bounds)
         by_cell: dict[tuple[int, int], list[float]] = defaultdict(list)
         for batch, depth, seconds in steps:
-            by_cell[(bisect.bisect_left(bounds, batch), depth)].append(seconds)
+            by_cell[(_bucket_of(bounds, batch), depth)].append(seconds)
         lines = []
         for bucket in range(len(bounds) + 1):
             cells = sorted((depth, times) for (b, depth), times in by_cell.items() if b == bucket)
@@ -63,8 +68,11 @@ class StepCost:
             lines.append((float(intercept), float(slope)))
         return cls(bounds, tuple(lines))
 
+    def bucket_of(self, batch: int) -> int:
+        return _bucket_of(self.bucket_bounds, batch)
+
     def seconds(self, batch: int, depth: int) -> float:
-        intercept, slope = self.lines[bisect.bisect_left(self.bucket_bounds, batch)]
+        intercept, slope = self.lines[self.bucket_of(batch)]
         return intercept + slope * depth
 
 
@@ -112,8 +120,7 @@ def headroom(rollouts: Iterable[Sequence[Step]], max_depth: int, cost: StepCost,
                 made = np.array([np.minimum(accepted, k).sum() + len(accepted) for k in depths], dtype=np.float64)
                 traced_work = accepted.sum() + len(accepted)
                 times = np.array([cost.seconds(len(step), k) for k in depths]) * traced_work / made
-                bucket = bisect.bisect_left(cost.bucket_bounds, len(step))
-                per_step.append((bucket, _last_outcome_class(step, last, max_depth), times))
+                per_step.append((cost.bucket_of(len(step)), _last_outcome_class(step, last, max_depth), times))
             last.update(step)
     if not per_step:
         raise ValueError("the trace holds no step with drafts")
