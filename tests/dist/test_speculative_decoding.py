@@ -54,6 +54,10 @@ def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks:
                 results["greedy_after_swaps"] = [r[0] for r in engine.generate(
                     prompts, SamplingSettings(temperature=0.0, max_tokens=24)).token_ids]
                 try:
+                    engine.release_memory(level=3)
+                except EngineError as err:
+                    results["sleep_level_3"] = str(err)
+                try:
                     RolloutEngine(arch, RolloutEngineConfig(max_model_len=10**6), workdir=workdir, rank=0)
                 except EngineError as err:
                     results["start_failure"] = str(err)
@@ -141,3 +145,7 @@ def test_an_engine_that_cannot_start_says_why(fixed_engine_results):
     assert message.startswith("vLLM engine failed to start on rank 0") and "max_model_len" in message
     memory = fixed_engine_results["memory_failure"]
     assert memory.startswith("vLLM engine failed to start on rank 0") and "5000.0 GiB" in memory
+
+
+def test_a_sleep_level_vllm_does_not_have_is_refused_before_it_reaches_vllm(fixed_engine_results):
+    assert fixed_engine_results["sleep_level_3"].startswith("sleep level 3: the engine sleeps at level 1")

@@ -1,7 +1,8 @@
 """The rollout engine on GPU vLLM: after a weight sync its greedy output with EAGLE on equals Megatron's;
 speculative sampling at temperature 1 keeps the target's distribution; a drafter pushed through vLLM's
-draft-weight API is accepted, and still is after the engine sleeps and wakes (peers lost drafters on
-wake: vLLM #52487, #55013).
+draft-weight API is accepted, and its acceptance is what it was before after each hand-over peers lost
+drafters to: a policy sync, sleep level 1 and wake, sleep level 2 and wake (vLLM #52487, #55013; NeMo-RL
+#2646), and another push.
 
 Each scenario runs in its own process: vLLM keeps process-global state, and its sleep mode allows one
 engine per process.
@@ -56,7 +57,8 @@ def test_vllm_greedy_with_eagle_equals_megatron_greedy_after_a_weight_sync(rollo
 def _fixture_engine_on_rank(workdir: str, sampled_prompt: list[int], num_samples: int) -> dict:
     from megatron_tlt.model_config import architecture_from_dict
     from megatron_tlt.parallel import ParallelLayout
-    from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings, SpeculativeSettings
+    from megatron_tlt.spec.engine import (EngineError, RolloutEngine, RolloutEngineConfig, SamplingSettings,
+                                          SpeculativeSettings)
     from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
     arch = architecture_from_dict(TINY_LLAMA_ROLLOUT)
@@ -79,6 +81,20 @@ def _fixture_engine_on_rank(workdir: str, sampled_prompt: list[int], num_samples
             engine.resume_memory()
             results["probe_after_wake"] = engine.probe_acceptance(PROBE_PROMPTS)
             results["greedy_after_wake"] = [r[0] for r in engine.generate(PROBE_PROMPTS, greedy).token_ids]
+            engine.load_weights(fixture["target"].items())
+            results["probe_after_policy_sync"] = engine.probe_acceptance(PROBE_PROMPTS)
+            engine.release_memory(level=2)
+            engine.resume_memory()
+            try:
+                engine.generate(PROBE_PROMPTS, greedy)
+            except EngineError as err:  # the weights were dropped: refused, never generated from garbage
+                results["refused_after_level_2"] = str(err)
+            engine.load_weights(fixture["target"].items())
+            engine.load_drafter(fixture["good_drafter"])
+            results["probe_after_level_2"] = engine.probe_acceptance(PROBE_PROMPTS)
+            results["greedy_after_level_2"] = [r[0] for r in engine.generate(PROBE_PROMPTS, greedy).token_ids]
+            engine.load_drafter(fixture["good_drafter"])
+            results["probe_after_push"] = engine.probe_acceptance(PROBE_PROMPTS)
             results["alarms"] = engine.acceptance_alarms
         finally:
             engine.close()
@@ -109,3 +125,15 @@ def test_the_pushed_drafter_and_the_policy_survive_sleep_and_wake(fixture_engine
     assert fixture_engine["probe_after_wake"].mean_acceptance_length > K + 0.5
     assert fixture_engine["greedy_after_wake"] == fixture_engine["greedy_before_sleep"]
     assert fixture_engine["alarms"] == 1  # the bad drafter's probe only
+
+
+@pytest.mark.parametrize("hand_over", ["wake", "policy_sync", "level_2", "push"])
+def test_the_drafters_acceptance_after_each_hand_over_is_what_it_was_before(fixture_engine, hand_over):
+    before = fixture_engine["good_probe"].mean_acceptance_length
+    assert fixture_engine[f"probe_after_{hand_over}"].mean_acceptance_length == pytest.approx(before, rel=0.02)
+
+
+def test_after_a_level_2_sleep_the_engine_refuses_to_generate_until_its_weights_are_loaded(fixture_engine):
+    assert "slept at level 2" in fixture_engine["refused_after_level_2"]
+    assert "drafter and the policy" in fixture_engine["refused_after_level_2"]
+    assert fixture_engine["greedy_after_level_2"] == fixture_engine["greedy_before_sleep"]
