@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Install megatron-tlt and its GPU stack into the active Python on a CUDA node; the counterpart of
 # launch/install_cpu.sh. Safe to re-run: what is installed stays, a missing Transformer Engine is tried again.
-#   1. vLLM first (the CUDA build; it brings the torch it was built for), then the package with its
-#      `test` and `ray` extras (megatron-core 0.16.x comes from install_requires);
-#   2. Transformer Engine (the rest of setup.py's `gpu` extra) where it builds: its PyTorch extension is
+#   1. vLLM first (the CUDA build), paired with the torch already installed: each vLLM release pins one torch
+#      (megatron_tlt/spec/vllm_versions.py), so the newest vLLM built for that torch is installed and torch is
+#      kept (a lab's torch is not replaced). TLT_VLLM_VERSION=X installs the release asked for instead, with the
+#      torch it pins; without torch, the newest supported vLLM brings its own. The script says which it chose;
+#   2. the package with its `test` and `ray` extras (megatron-core 0.16.x comes from install_requires), and
+#      torchao (the FP8 drafter's backend where Transformer Engine is absent);
+#   3. Transformer Engine (the rest of setup.py's `gpu` extra) where it builds: its PyTorch extension is
 #      compiled against the torch now installed (--no-build-isolation, as TE's docs say), with the core
-#      library for torch's CUDA major version. A failed build is said and left out: the FP8 drafter is
-#      then refused with the reason (megatron_tlt/drafter/precision.py). A partial TE breaks
+#      library for torch's CUDA major version. A failed build is said and left out: the FP8 drafter then
+#      trains through torchao (megatron_tlt/drafter/precision.py). A partial TE breaks
 #      `import megatron.core` (DESIGN.md section 3), so every transformer-engine* package goes again.
 # Offline (a machine without network): TLT_WHEELS=DIR installs the wheels in DIR (megatron-core,
 # omegaconf, ...) with --no-index and registers the package; nothing else is installed.
@@ -59,7 +63,38 @@ try_transformer_engine() {
   fi
   remove_transformer_engine
   echo "install_gpu.sh: Transformer Engine did not build or import here; carrying on without it" \
-       "(drafter.precision=fp8 is refused with the reason, auto trains in bf16)" >&2
+       "(drafter.precision=fp8 trains through torchao)" >&2
+}
+
+installed_torch() {
+  "$PYTHON" -c "import importlib.metadata as md; print(md.version('torch'))" 2>/dev/null || true
+}
+
+# Install GPU vLLM: the release asked for, or the newest one built for the installed torch (kept as it is).
+install_vllm() {
+  local torch_version vllm_version versions=megatron_tlt/spec/vllm_versions.py
+  torch_version=$(installed_torch)
+  if [[ -n ${TLT_VLLM_VERSION:-} ]]; then
+    vllm_version=$TLT_VLLM_VERSION
+    local pinned
+    pinned=$("$PYTHON" "$versions" torch-for-vllm "$vllm_version") || exit 1
+    echo "install_gpu.sh: installing vLLM $vllm_version as asked (TLT_VLLM_VERSION); it pins torch $pinned" \
+         "(installed: ${torch_version:-none})"
+    pip_install "vllm==$vllm_version"
+  elif [[ -n $torch_version ]]; then
+    vllm_version=$("$PYTHON" "$versions" vllm-for-torch "$torch_version") || {
+      echo "install_gpu.sh: set TLT_VLLM_VERSION to install a release with the torch it pins" >&2; exit 1; }
+    echo "install_gpu.sh: torch $torch_version is installed: installing vLLM $vllm_version, built for it" \
+         "(torch stays; TLT_VLLM_VERSION=X asks for another release)"
+    local keep_torch
+    keep_torch=$(mktemp)
+    echo "torch==${torch_version%%+*}" > "$keep_torch"
+    pip_install --constraint "$keep_torch" "vllm==$vllm_version"
+    rm -f "$keep_torch"
+  else
+    echo "install_gpu.sh: no torch installed: installing the newest supported vLLM (0.26-0.33) with the torch it pins"
+    pip_install "vllm>=0.26,<0.34"
+  fi
 }
 
 register_package() {
@@ -81,9 +116,10 @@ else
   if stack_ready; then
     pip_install --no-deps -e .
   else
-    pip_install vllm
+    install_vllm
     pip_install -e ".[test,ray]"
   fi
+  have_module torchao || pip_install "torchao>=0.17" || echo "install_gpu.sh: torchao did not install" >&2
   have_module transformer_engine.pytorch || try_transformer_engine
   wanted="megatron.core, vllm, megatron_tlt"
 fi
@@ -111,6 +147,6 @@ except Exception:  # absent, or built for another torch
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none visible"
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}); GPU: {gpu}")
 print(f"megatron-core {version('megatron-core')}; vLLM: {version('vllm') or 'no'}; "
-      f"Transformer Engine: {te or 'no'}")
+      f"Transformer Engine: {te or 'no'}; torchao: {version('torchao') or 'no'}")
 PY
 echo "megatron-tlt GPU stack ready"

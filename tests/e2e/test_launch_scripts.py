@@ -64,7 +64,8 @@ def _make_checkpoint(run_dir: Path, step: int = 10) -> None:
 
 # ---------------------------------------------------------------------------------------------- shellcheck
 
-@pytest.mark.parametrize("script", [SLURM_SCRIPT, TORCHRUN_SCRIPT], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [SLURM_SCRIPT, *sorted((REPO / "launch").glob("*.sh"))],
+                         ids=lambda p: p.name)
 def test_script_passes_shellcheck_without_any_finding(script):
     binary = shutil.which("shellcheck")
     if binary is None:
