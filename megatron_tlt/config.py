@@ -371,7 +371,9 @@ class DrafterConfig:
     ranks share one memory bus and an idle rank's training slows the ranks still generating
     (bench/spot_overhead.py: +7.8% critical path at 1.0, none measurable at 0.25)."""
     precision: str = "auto"
-    """auto (FP8 via Transformer Engine where the GPU and TE allow, else bf16 on GPU, fp32 on CPU), fp32, bf16, fp8."""
+    """auto (fp8 where the GPU has FP8 tensor cores and Transformer Engine or torchao is importable, else bf16 on
+    GPU, fp32 on CPU), fp32, bf16, fp8 (refused at start-up, saying why, where it cannot run). The path taken is
+    logged and in summary.json as drafter/precision."""
     init_dir: str | None = None
     """Start from this EAGLE drafter directory (e.g. made by ``tlt warmup-drafter``) instead of random weights."""
     cold_start: bool = False

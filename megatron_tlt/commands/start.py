@@ -34,6 +34,14 @@ def _load(config_name: str | None, overrides: list[str], resume_dir: str | None)
     return load_config(str(config_file), overrides)
 
 
+def _check_drafter_precision(config) -> None:
+    """drafter.precision=fp8 where FP8 cannot run is refused here, saying why, before any rank starts (each
+    rank's drafter checks again when it is built: ``drafter/precision.py``)."""
+    from megatron_tlt.drafter.precision import check_runs_here  # torch only: no Megatron, no vLLM
+
+    check_runs_here(config.drafter.precision)
+
+
 def _check_layout(config) -> None:
     """Every layout rule of the run for the policy it will train (``layout_rules``, which tlt plan shares)."""
     from megatron_tlt.model_config import load_architecture
@@ -68,7 +76,8 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
     from megatron_tlt.rl import checkpoint_paths
 
     config = _load(config_name, overrides, resume_dir)
-    _check_layout(config)  # before any directory is made or rank started
+    _check_drafter_precision(config)  # before any directory is made or rank started
+    _check_layout(config)
     launched = launched_world_size()
     under_torchrun = launched is not None
     if under_torchrun and launched != world_size(config):  # else each rank would start a world of its own
@@ -117,6 +126,7 @@ def start_drafter_warmup(config_name: str | None, overrides: list[str], *, polic
     from megatron_tlt.hf_io import check_output_dir
 
     config = load_config(config_name, overrides)
+    _check_drafter_precision(config)
     if min(settings.prompts, settings.eval_prompts, settings.epochs, settings.draft_tokens) < 1:
         raise ValueError("--prompts, --eval-prompts, --epochs and --draft-tokens must be >= 1")
     check_output_dir(out_dir)

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from megatron_tlt.model_config import PolicyArchitecture
-from megatron_tlt.drafter.precision import make_linear
+from megatron_tlt.drafter.precision import convert_to_fp8, make_linear
 from megatron_tlt.spec.eagle import DrafterMismatch, eagle_drafter_config, validate_drafter
 
 # Llama's initializer_range: the scale of every random weight at initialisation.
@@ -112,11 +112,12 @@ class RMSNorm(nn.Module):
 class EagleAttention(nn.Module):
     """Grouped-query self-attention with RoPE (neox layout, as Llama); q/k/v bias only for Qwen2 policies."""
 
-    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None, fp8: bool = False):
+    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None,
+                 fp8_backend: str | None = None):
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_kv_heads, d
-        factory = dict(dtype=dtype, device=device, fp8=fp8)
+        factory = dict(dtype=dtype, device=device, fp8_backend=fp8_backend)
         self.q_proj = make_linear(h, self.num_heads * d, bias=arch.qkv_bias, **factory)
         self.k_proj = make_linear(h, self.num_kv_heads * d, bias=arch.qkv_bias, **factory)
         self.v_proj = make_linear(h, self.num_kv_heads * d, bias=arch.qkv_bias, **factory)
@@ -140,10 +141,11 @@ class EagleAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None, fp8: bool = False):
+    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None,
+                 fp8_backend: str | None = None):
         super().__init__()
         h, inter = arch.hidden_size, arch.intermediate_size
-        factory = dict(bias=False, dtype=dtype, device=device, fp8=fp8)
+        factory = dict(bias=False, dtype=dtype, device=device, fp8_backend=fp8_backend)
         self.gate_proj = make_linear(h, inter, **factory)
         self.up_proj = make_linear(h, inter, **factory)
         self.down_proj = make_linear(inter, h, **factory)
@@ -155,11 +157,12 @@ class SwiGLU(nn.Module):
 class EagleDecoderLayer(nn.Module):
     """A Llama decoder layer whose first input norm is removed, as vLLM's EAGLE layer (``layers.0``)."""
 
-    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None, fp8: bool = False):
+    def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype, device=None,
+                 fp8_backend: str | None = None):
         super().__init__()
-        self.self_attn = EagleAttention(arch, dtype=dtype, device=device, fp8=fp8)
+        self.self_attn = EagleAttention(arch, dtype=dtype, device=device, fp8_backend=fp8_backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = SwiGLU(arch, dtype=dtype, device=device, fp8=fp8)
+        self.mlp = SwiGLU(arch, dtype=dtype, device=device, fp8_backend=fp8_backend)
 
     def forward(self, x_th, cos_td, sin_td, mask_tt, kv_cache: list | None = None) -> torch.Tensor:
         # No input norm: attention reads fc's output directly (vLLM replaces input_layernorm by Identity).
@@ -179,18 +182,19 @@ class EagleDrafter(nn.Module):
     """
 
     def __init__(self, arch: PolicyArchitecture, *, dtype: torch.dtype = torch.float32, device=None, seed: int = 0,
-                 fp8: bool = False):
+                 fp8_backend: str | None = None):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"drafter dtype must be torch.float32 or torch.bfloat16, got {dtype}")
         self.arch = arch
         h = arch.hidden_size
-        self.fc = make_linear(2 * h, h, bias=False, dtype=dtype, device=device, fp8=fp8)
-        self.layers = nn.ModuleList([EagleDecoderLayer(arch, dtype=dtype, device=device, fp8=fp8)])
+        self.fc = make_linear(2 * h, h, bias=False, dtype=dtype, device=device, fp8_backend=fp8_backend)
+        self.layers = nn.ModuleList([EagleDecoderLayer(arch, dtype=dtype, device=device, fp8_backend=fp8_backend)])
         inv_freq, self.rope_attention_scaling = policy_rope_inv_freq(arch)
         self._rope_inv_freq_fp32 = inv_freq  # source of truth, never cast (see _apply)
         self.register_buffer("rope_inv_freq", inv_freq.to(device), persistent=False)
         self.reset_parameters(seed)
+        convert_to_fp8(self, fp8_backend)  # torchao's layers: the same parameters, FP8 GEMMs
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:

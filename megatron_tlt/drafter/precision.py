@@ -1,26 +1,50 @@
-"""Where and in what precision the drafter trains: fp32 on CPU; bf16 on GPU, or FP8 through Transformer Engine.
+"""Where and in what precision the drafter trains: fp32 on CPU; bf16 on GPU; or FP8 on Ada/Hopper GPUs.
 
 ``drafter.precision``:
-  * ``auto``: fp8 where Transformer Engine is installed and the GPU has FP8 tensor cores (compute
-    capability 8.9+: Ada, Hopper), else bf16 on GPU, fp32 on CPU;
   * ``fp32`` / ``bf16``: plain torch;
-  * ``fp8``: asked for explicitly, refused with the reason where it cannot run.
-With FP8 the drafter's linear layers are ``transformer_engine.pytorch.Linear`` (bf16 master weights, FP8
-GEMMs with delayed scaling inside ``fp8_autocast``); the weights the engines get stay bf16.
+  * ``fp8``: asked for explicitly, so refused with the reason where it cannot run: ``tlt train`` refuses it
+    before any rank starts (``check_runs_here``) and each rank again when it builds its drafter;
+  * ``auto``: fp8 through Transformer Engine where it can run, else bf16 on GPU, fp32 on CPU. Not through
+    torchao: without ``torch.compile`` its scaling ops are not fused, and no GPU has yet measured it against
+    bf16 (``bench/drafter_precision.py``), so a default must not bet on it; ``fp8`` takes it where TE is absent.
+The run says which path it took (a log line at start, ``drafter/precision`` in summary.json), so nothing
+runs in bf16 unannounced.
+
+FP8 needs a CUDA device of compute capability 8.9+ (FP8 tensor cores, ``torch._scaled_mm``) and one of two
+backends, the first importable one in this order:
+  * ``transformer_engine``: the drafter's linear layers are ``te.Linear`` and its forward runs inside
+    ``fp8_autocast`` (delayed scaling, HYBRID: e4m3 forward, e5m2 gradients);
+  * ``torchao``: the drafter is built of plain ``nn.Linear`` and ``torchao.float8.convert_to_float8_training``
+    swaps each for a ``Float8Linear`` (dynamic tensorwise scaling, the same parameters) whose GEMMs go through
+    ``torch._scaled_mm``; no autocast context. It is pure Python over torch: no build, unlike TE's torch part.
+Either way the parameters keep nn.Linear's names (``weight``, ``bias``), so ``export_tensors`` and the drafter
+checkpoints hold vLLM's tensors and nothing else; packs are padded to 16 rows for both (``trainer.row_multiple``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
 
 import torch
 from torch import nn
 
-from megatron_tlt.config import DRAFTER_PRECISIONS
+from megatron_tlt.config import DRAFTER_PRECISIONS, ConfigError
 from megatron_tlt.device import compute_device
 
-_FP8_MIN_CAPABILITY = (8, 9)
+logger = logging.getLogger(__name__)
+
+FP8_MIN_CAPABILITY = (8, 9)
+TRANSFORMER_ENGINE, TORCHAO = "transformer_engine", "torchao"
+FP8_BACKENDS = (TRANSFORMER_ENGINE, TORCHAO)
+"""In order of preference: TE's fused FP8 kernels where it is built, torchao's float8 training otherwise."""
+_BACKEND_MODULES = {TRANSFORMER_ENGINE: "transformer_engine.pytorch", TORCHAO: "torchao.float8"}
+_BACKEND_WAYS = {TRANSFORMER_ENGINE: "Transformer Engine (te.Linear in fp8_autocast)",
+                 TORCHAO: "torchao float8 (torch._scaled_mm)"}
+_FP8_DIM_MULTIPLE = 16
+"""FP8 GEMMs need both dims of every weight divisible by 16."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,56 +52,169 @@ class DrafterPrecision:
     device: torch.device
     dtype: torch.dtype
     """Parameter dtype (the master weights)."""
-    fp8: bool = False
+    fp8_backend: str | None = None
+    """None, or one of ``FP8_BACKENDS``: the drafter's GEMMs run in FP8 through it."""
+
+    def __post_init__(self) -> None:
+        assert self.fp8_backend in (None, *FP8_BACKENDS), self.fp8_backend
+        assert self.fp8_backend is None or self.dtype == torch.bfloat16, "FP8 keeps bf16 master weights"
+
+    @property
+    def fp8(self) -> bool:
+        return self.fp8_backend is not None
 
     @property
     def name(self) -> str:
         return "fp8" if self.fp8 else {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.dtype]
 
+    @property
+    def label(self) -> str:
+        """The path taken, as summary.json's ``drafter/precision`` says it: fp32, bf16, fp8 (torchao), ..."""
+        return f"fp8 ({self.fp8_backend})" if self.fp8 else self.name
 
-def fp8_unavailable_reason() -> str | None:
-    """Why FP8 drafter training cannot run here, or None when it can."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    capability = torch.cuda.get_device_capability()
-    if capability < _FP8_MIN_CAPABILITY:
-        return f"GPU compute capability {capability[0]}.{capability[1]} has no FP8 tensor cores (8.9+ needed)"
+    def describe(self) -> str:
+        """The start-up log line's sentence."""
+        if self.fp8:
+            way = _BACKEND_WAYS[self.fp8_backend]
+            return f"drafter trains in fp8 through {way} on {self.device}, bf16 master weights"
+        return f"drafter trains in {self.name} on {self.device}"
+
+
+# ------------------------------------------------------------------------------------ what this machine offers
+
+def choose_fp8_backend(capability: tuple[int, int] | None, import_errors: dict[str, str | None]
+                       ) -> tuple[str | None, str | None]:
+    """``(backend, None)`` where FP8 can run, else ``(None, reason)``. Pure: ``capability`` is the CUDA device's
+    compute capability (None: no CUDA device), ``import_errors`` each backend's import error (None: importable)."""
+    if capability is None:
+        return None, "no CUDA device"
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        return None, (f"GPU compute capability {capability[0]}.{capability[1]} < {FP8_MIN_CAPABILITY[0]}."
+                      f"{FP8_MIN_CAPABILITY[1]}: no FP8 tensor cores (Ada, Hopper and later have them)")
+    for backend in FP8_BACKENDS:
+        if import_errors[backend] is None:
+            return backend, None
+    errors = "; ".join(f"{backend}: {import_errors[backend]}" for backend in FP8_BACKENDS)
+    return None, (f"neither Transformer Engine nor torchao is importable ({errors}); "
+                  "install torchao (the GPU extra, launch/install_gpu.sh) or Transformer Engine")
+
+
+@functools.cache
+def backend_import_error(backend: str) -> str | None:
+    """Why ``backend`` cannot be imported here, or None (cached: an import is tried once per process)."""
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        __import__(_BACKEND_MODULES[backend])
     except Exception as err:  # not installed, or built for another torch/CUDA
-        return f"Transformer Engine is not importable ({type(err).__name__}: {err})"
+        return f"{type(err).__name__}: {err}"
     return None
 
 
-def resolve_precision(requested: str) -> DrafterPrecision:
+def _cuda_capability() -> tuple[int, int] | None:
+    """The compute capability of this process's CUDA device (None: no CUDA device)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(compute_device())
+
+
+def detect_fp8_backend() -> tuple[str | None, str | None]:
+    """``choose_fp8_backend`` for this machine. A backend is imported only on a GPU with FP8 tensor cores, and
+    torchao only where Transformer Engine is not importable."""
+    capability = _cuda_capability()
+    if capability is None or capability < FP8_MIN_CAPABILITY:
+        return choose_fp8_backend(capability, {})
+    import_errors: dict[str, str | None] = {}
+    for backend in FP8_BACKENDS:
+        import_errors[backend] = backend_import_error(backend)
+        if import_errors[backend] is None:
+            break
+    return choose_fp8_backend(capability, import_errors)
+
+
+def fp8_unavailable_reason() -> str | None:
+    """Why FP8 drafter training cannot run here, or None when it can."""
+    return detect_fp8_backend()[1]
+
+
+def fp8_backend_unavailable_reason(backend: str) -> str | None:
+    """Why FP8 through ``backend`` in particular cannot run here, or None (the GPU tests and the benchmark run
+    each backend there is, not only the one ``auto`` and ``fp8`` take)."""
+    capability = _cuda_capability()
+    if capability is None or capability < FP8_MIN_CAPABILITY:
+        return choose_fp8_backend(capability, {})[1]
+    error = backend_import_error(backend)
+    return None if error is None else f"{backend} is not importable ({error})"
+
+
+def check_runs_here(requested: str) -> None:
+    """Refuse a ``drafter.precision`` this machine cannot run (``ConfigError``): an unknown name, or fp8 without
+    FP8 support. ``tlt train`` calls it before any rank starts; ``resolve_precision`` again in every rank."""
     if requested not in DRAFTER_PRECISIONS:
-        raise ValueError(f"drafter.precision must be one of {', '.join(DRAFTER_PRECISIONS)}, got '{requested}'")
+        raise ConfigError(f"drafter.precision must be one of {', '.join(DRAFTER_PRECISIONS)}, got '{requested}'")
+    if requested == "fp8" and (reason := fp8_unavailable_reason()) is not None:
+        raise ConfigError(f"drafter.precision=fp8 cannot run here: {reason}; use drafter.precision=bf16 or auto")
+
+
+def resolve_precision(requested: str) -> DrafterPrecision:
+    check_runs_here(requested)
     device = compute_device()
-    on_gpu = device.type == "cuda"
     if requested == "fp32":
         return DrafterPrecision(device, torch.float32)
     if requested == "bf16":
         return DrafterPrecision(device, torch.bfloat16)
-    reason = fp8_unavailable_reason()
-    if requested == "fp8" and reason is not None:
-        raise ValueError(f"drafter.precision fp8 cannot run here: {reason}")
-    if reason is None:
-        return DrafterPrecision(device, torch.bfloat16, fp8=True)
-    return DrafterPrecision(device, torch.bfloat16 if on_gpu else torch.float32)
+    backend, _ = detect_fp8_backend()
+    if backend is not None and (requested == "fp8" or backend == TRANSFORMER_ENGINE):  # fp8 was checked above
+        return DrafterPrecision(device, torch.bfloat16, fp8_backend=backend)
+    return DrafterPrecision(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
-def make_linear(in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device, fp8: bool) -> nn.Module:
-    """nn.Linear, or Transformer Engine's Linear (same ``weight``/``bias`` names) for FP8 GEMMs."""
-    if not fp8:
+def start_up_line(requested: str, precision: DrafterPrecision) -> str:
+    """What rank 0 logs as the drafter is built: the path taken and, on a GPU where ``auto`` did not take fp8, why."""
+    line = f"{precision.describe()} (drafter.precision={requested})"
+    if requested == "auto" and not precision.fp8 and precision.device.type == "cuda":
+        reason = fp8_unavailable_reason() or ("auto takes fp8 through Transformer Engine only; "
+                                              "drafter.precision=fp8 trains through torchao")
+        line += f"; not fp8: {reason}"
+    return line
+
+
+# ------------------------------------------------------------------------------------ building and running
+
+def make_linear(in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device,
+                fp8_backend: str | None = None) -> nn.Module:
+    """nn.Linear, or Transformer Engine's Linear (same ``weight``/``bias`` names) for TE's FP8 GEMMs. torchao's
+    layers are swapped in once the whole drafter is built (``convert_to_fp8``)."""
+    if fp8_backend != TRANSFORMER_ENGINE:
         return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
     import transformer_engine.pytorch as te
 
     return te.Linear(in_features, out_features, bias=bias, params_dtype=dtype, device=device)
 
 
+def convert_to_fp8(module: nn.Module, fp8_backend: str | None) -> None:
+    """With torchao: swap ``module``'s nn.Linear children for Float8Linear in place, keeping their parameters
+    (an optimizer made afterwards or before sees the same tensors). A linear whose dims are not multiples of 16
+    stays in bf16, with a warning; none converted at all is an error, not a bf16 run called fp8."""
+    if fp8_backend != TORCHAO:
+        return
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    linears = {name for name, m in module.named_modules() if isinstance(m, nn.Linear)}
+    left_out = sorted(name for name, m in module.named_modules() if isinstance(m, nn.Linear)
+                      and any(dim % _FP8_DIM_MULTIPLE for dim in m.weight.shape))
+    if linears and len(left_out) == len(linears):
+        raise ValueError(f"no linear layer of the drafter has dims divisible by {_FP8_DIM_MULTIPLE}: it cannot "
+                         "train in fp8; use drafter.precision=bf16")
+    if left_out:
+        logger.warning("fp8 (torchao): %s stay in bf16 (dims not divisible by %d)", ", ".join(left_out),
+                       _FP8_DIM_MULTIPLE)
+    convert_to_float8_training(module, config=Float8LinearConfig(),
+                               module_filter_fn=lambda m, name: name not in left_out)
+
+
 def autocast(precision: DrafterPrecision):
-    """The context a drafter forward pass runs in: TE's fp8_autocast for FP8, nothing otherwise."""
-    if not precision.fp8:
+    """The context a drafter forward pass runs in: TE's fp8_autocast for TE's FP8, nothing otherwise (torchao's
+    Float8Linear casts by itself)."""
+    if precision.fp8_backend != TRANSFORMER_ENGINE:
         return contextlib.nullcontext()
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling, Format

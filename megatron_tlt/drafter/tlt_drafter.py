@@ -11,7 +11,9 @@ The trainer calls it at its phase boundaries and passes what one phase gives the
              (``set_policy_heads``) and pushes ``export_tensors()`` into the engine;
   save       ``save`` writes it beside the policy checkpoint, in the background.
 
-``summary_fields`` turns every rank's ``TailReport`` into the step's ``drafter/*`` fields.
+``summary_fields`` turns every rank's ``TailReport`` into the step's ``drafter/*`` fields, among them the
+precision it trains in (``drafter/precision``: fp32, bf16, fp8 (transformer_engine), fp8 (torchao)), which
+rank 0 also logs when the drafter is built.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.device import compute_device
 from megatron_tlt.drafter import checkpoint_paths, checkpointer, store
-from megatron_tlt.drafter.precision import resolve_precision
+from megatron_tlt.drafter.precision import resolve_precision, start_up_line
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotReport, SpotTrainer
 from megatron_tlt.drafter.trainer import DrafterTrainer
 from megatron_tlt.model_config import PolicyArchitecture
@@ -45,6 +47,8 @@ class TailReport:
     spot: SpotReport
     stats: dict
     """``DrafterTrainer.phase_stats()``: loss, top-1 agreement, tokens, dropped steps, buffer tokens."""
+    precision: str
+    """The path the drafter trains through (``DrafterPrecision.label``)."""
 
 
 class TLTDrafter:
@@ -55,7 +59,10 @@ class TLTDrafter:
         d = config.drafter
         self.config, self.arch, self.run_dir = config, arch, run_dir
         online = d if d.spot_lr is None else dataclasses.replace(d, lr=d.spot_lr)
-        self.trainer = DrafterTrainer(arch, online, seed=config.trainer.seed, precision=resolve_precision(d.precision))
+        precision = resolve_precision(d.precision)  # refuses an fp8 this device cannot run, saying why
+        if is_reporter:
+            logger.info(start_up_line(d.precision, precision))
+        self.trainer = DrafterTrainer(arch, online, seed=config.trainer.seed, precision=precision)
         self.tokens_trained = 0
         """Drafter training tokens over the whole run (kept in its checkpoints)."""
         self.checkpointer, self.spot = None, None
@@ -120,7 +127,7 @@ class TLTDrafter:
         with timeline.phase("sync"):  # one drafter version for every engine: the token-weighted mean
             self.checkpointer.wait()  # a write still reading the drafter (rollout shorter than it)
             self.tokens_trained += self.trainer.average_replicas()
-        return TailReport(spot=spot, stats=stats)
+        return TailReport(spot=spot, stats=stats, precision=self.trainer.precision.label)
 
     # ------------------------------------------------------------------ log-prob pass and sync
 
@@ -179,8 +186,11 @@ def summary_fields(reports: list[TailReport | None], timelines: list[RankTimelin
     stats = [r.stats for r in reports]
     trained = [s["tokens"] for s in stats]
     losses = [(s["loss"], s["tokens"]) for s in stats if s["tokens"] > 0]
+    precisions = [r.precision for r in reports]
     agreements = [(s["top1_agreement"], s["tokens"]) for s in stats if s["tokens"] > 0]
     return {
+        # one label where every rank agrees (they resolve the same setting on the same kind of device), else each's
+        "drafter/precision": precisions[0] if len(set(precisions)) == 1 else precisions,
         "drafter/tokens_trained": trained,
         "drafter/loss": _weighted_mean(losses),
         "drafter/top1_agreement": _weighted_mean(agreements),

@@ -31,7 +31,8 @@ POLICY_HEAD_NAMES = frozenset({_EMBEDDING, _LM_HEAD})
 """HF names of the policy tensors the drafter drafts with (to keep from a weight sync)."""
 _OPEN_PACKS = 4  # first fit over this many packs at a time: nearly as tight as over all, built lazily
 FP8_ROW_MULTIPLE = 16
-"""Transformer Engine's FP8 GEMMs need row counts divisible by 16: FP8 packs are padded to it."""
+"""FP8 GEMMs need row counts divisible by 16 (TE's, and torch._scaled_mm's under torchao, where the rows are the
+inner dim of the weight gradient's GEMM): FP8 packs are padded to it, whichever backend runs them."""
 
 
 class _Preempted(Exception):
@@ -55,7 +56,7 @@ class DrafterTrainer:
         overrides its ``buffer_tokens`` (the offline warm-up keeps every feature it makes)."""
         self.arch, self.settings = arch, settings
         self.precision = p = precision
-        self.drafter = EagleDrafter(arch, seed=seed, dtype=p.dtype, device=p.device, fp8=p.fp8)
+        self.drafter = EagleDrafter(arch, seed=seed, dtype=p.dtype, device=p.device, fp8_backend=p.fp8_backend)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=settings.lr, weight_decay=0.0)
         # On the drafter's device: features stay where the log-prob pass made them (no copy on the critical path).
         self.buffer_tokens = settings.buffer_tokens if buffer_tokens is None else buffer_tokens

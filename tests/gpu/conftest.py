@@ -3,7 +3,8 @@
 Every test is collected on every machine. A test names what it needs with ``@pytest.mark.needs(...)``
 and is skipped, saying what is missing, where any of it is: on a CPU machine that is every test.
 Needs are found from package metadata or one cheap call, so collecting the suite imports neither vLLM
-nor Transformer Engine (TE is imported only to check "fp8", and only on a GPU with FP8 tensor cores).
+nor Transformer Engine (TE and torchao are imported only to check the "fp8" needs, and only on a GPU with FP8
+tensor cores).
 
 Inputs are built on the host, as the trainer builds them: putting them on the device is the project's
 job, so the tests check it too. Checkpoints are converted at TP=1: the suite runs on a single GPU.
@@ -45,9 +46,19 @@ def _gpu_vllm_missing() -> str | None:
 
 
 def _fp8_missing() -> str | None:
+    """FP8 through either backend (the one drafter.precision=fp8 takes)."""
     from megatron_tlt.drafter.precision import fp8_unavailable_reason
 
     return fp8_unavailable_reason()
+
+
+def _fp8_backend_missing(backend: str):
+    def missing_here() -> str | None:
+        from megatron_tlt.drafter.precision import fp8_backend_unavailable_reason
+
+        return fp8_backend_unavailable_reason(backend)
+
+    return missing_here
 
 
 def _nvml_missing() -> str | None:
@@ -63,7 +74,8 @@ def _nvml_missing() -> str | None:
 
 SUITE = Path(__file__).parent
 NEEDS = {"cuda": _cuda_missing, "megatron": _megatron_missing, "vllm": _gpu_vllm_missing, "fp8": _fp8_missing,
-         "nvml": _nvml_missing}
+         "fp8_transformer_engine": _fp8_backend_missing("transformer_engine"),
+         "fp8_torchao": _fp8_backend_missing("torchao"), "nvml": _nvml_missing}
 
 
 @functools.cache

@@ -1,5 +1,6 @@
-"""The EAGLE drafter's trainer on the GPU: in bf16, and in FP8 through Transformer Engine where both are
-there, a few micro-steps on one fixed pack lower its loss, with and without unrolling over draft steps."""
+"""The EAGLE drafter's trainer on the GPU: in bf16, and in FP8 through each backend there is (Transformer Engine,
+torchao) on a GPU with FP8 tensor cores, a few micro-steps on one fixed pack lower its loss, with and without
+unrolling over draft steps, and what it exports stays vLLM's tensors in bf16."""
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ LLAMA = architecture_from_dict(TINY_LLAMA)
 # not a multiple of 8 or 16.
 LENGTHS = (23, 40, 61)
 MICRO_STEPS = 20
+# The precisions a drafter trains in on a GPU: bf16, and FP8 through each backend (drafter/precision.py).
+ARMS = ["bf16", pytest.param("transformer_engine", marks=pytest.mark.needs("fp8_transformer_engine")),
+        pytest.param("torchao", marks=pytest.mark.needs("fp8_torchao"))]
 
 
 def _next_token_target_sequences():
@@ -31,16 +35,25 @@ def _next_token_target_sequences():
     return target, token_ids, features
 
 
-def _trainer_with_one_pack(precision: str, unroll_steps: int):
-    """A drafter trainer at ``precision`` whose buffer holds the target's sequences as one pack; returns it with
+def _precision(arm: str):
+    """bf16 as drafter.precision=bf16 resolves it; FP8 through the backend ``arm`` names."""
+    from megatron_tlt.device import compute_device
+    from megatron_tlt.drafter.precision import DrafterPrecision, resolve_precision
+
+    if arm == "bf16":
+        return resolve_precision("bf16")
+    return DrafterPrecision(compute_device(), torch.bfloat16, fp8_backend=arm)
+
+
+def _trainer_with_one_pack(arm: str, unroll_steps: int):
+    """A drafter trainer in ``arm`` (``ARMS``) whose buffer holds the target's sequences as one pack; returns it with
     the sequences' token ids and features (on the trainer's device and dtype, as the log-prob pass leaves them)."""
     from megatron_tlt.config import DrafterConfig
-    from megatron_tlt.drafter.precision import resolve_precision
     from megatron_tlt.drafter.trainer import DrafterTrainer
 
     settings = DrafterConfig(lr=3e-3, buffer_tokens=4096, pack_tokens=1024, hidden_weight=1.0, ce_weight=0.1,
                              unroll_steps=unroll_steps)
-    trainer = DrafterTrainer(LLAMA, settings, seed=0, precision=resolve_precision(precision))
+    trainer = DrafterTrainer(LLAMA, settings, seed=0, precision=_precision(arm))
     heads, token_ids, features = _next_token_target_sequences()
     trainer.set_policy_heads(heads)
     p = trainer.precision
@@ -50,24 +63,41 @@ def _trainer_with_one_pack(precision: str, unroll_steps: int):
 
 
 @pytest.mark.parametrize("unroll_steps", [1, 4])
-@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=pytest.mark.needs("fp8"))])
-def test_drafter_micro_steps_on_cuda_lower_the_loss_on_a_fixed_pack(precision, unroll_steps):
-    trainer, token_ids, features = _trainer_with_one_pack(precision, unroll_steps)
+@pytest.mark.parametrize("arm", ARMS)
+def test_drafter_micro_steps_on_cuda_lower_the_loss_on_a_fixed_pack(arm, unroll_steps):
+    from megatron_tlt.spec.eagle import expected_drafter_shapes
+
+    trainer, token_ids, features = _trainer_with_one_pack(arm, unroll_steps)
     p = trainer.precision
     assert trainer.packs_in_buffer() == 1
     before = trainer.evaluate(token_ids, features)
     trained = [trainer.micro_step() for _ in range(MICRO_STEPS)]
     after = trainer.evaluate(token_ids, features)
-    assert (p.name, p.device.type) == (precision, "cuda")
+    assert (p.label, p.device.type) == ("bf16" if arm == "bf16" else f"fp8 ({arm})", "cuda")
     assert trained == [sum(LENGTHS) - 2 * len(LENGTHS)] * MICRO_STEPS  # every step trained the whole pack
     assert after["loss_sum"] < 0.8 * before["loss_sum"], (before, after)
+    exported = trainer.export_tensors()  # vLLM's names only: no TE _extra_state, no torchao state
+    assert set(exported) == set(expected_drafter_shapes(LLAMA))
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in exported.values())
 
 
-@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=pytest.mark.needs("fp8"))])
-def test_a_micro_step_preempted_inside_the_backward_on_cuda_is_dropped_without_an_update(precision):
+@pytest.mark.needs("fp8")
+def test_fp8_on_this_gpu_takes_transformer_engine_where_it_imports_else_torchao_and_auto_only_te():
+    from megatron_tlt.drafter.precision import TORCHAO, TRANSFORMER_ENGINE, backend_import_error, resolve_precision
+
+    expected = TRANSFORMER_ENGINE if backend_import_error(TRANSFORMER_ENGINE) is None else TORCHAO
+    fp8 = resolve_precision("fp8")
+    assert (fp8.label, fp8.dtype) == (f"fp8 ({expected})", torch.bfloat16)
+    assert resolve_precision("auto").label == ("fp8 (transformer_engine)" if expected == TRANSFORMER_ENGINE else "bf16")
+    assert fp8.describe().startswith("drafter trains in fp8 through " + {TRANSFORMER_ENGINE: "Transformer Engine",
+                                                                         TORCHAO: "torchao float8"}[expected])
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_a_micro_step_preempted_inside_the_backward_on_cuda_is_dropped_without_an_update(arm):
     """The backward's preemption points are gradient hooks; on CUDA the autograd engine runs them on its
     device thread, and the hook's exception must still reach the trainer and drop the step."""
-    trainer, _, _ = _trainer_with_one_pack(precision, unroll_steps=4)
+    trainer, _, _ = _trainer_with_one_pack(arm, unroll_steps=4)
     before = [t.detach().clone() for t in trainer.drafter.parameters()]
     grad_modes = []
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from small_runs import SMALL
 
+from megatron_tlt.drafter.precision import resolve_precision
+
 pytestmark = pytest.mark.needs("cuda", "megatron", "vllm")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +27,10 @@ def test_tlt_train_runs_two_speculative_steps_with_the_spot_trainer_on_one_gpu(t
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads((run_dir / "summary.json").read_text())
     assert [r["step"] for r in records] == [1, 2]
+    took = resolve_precision("auto")  # what drafter.precision=auto takes on this GPU
     for record in records:
         assert record["num_samples"] == 16 and record["rollout_seconds"] > 0
         assert record["spec/mean_acceptance_length"] >= 1.0
         assert record["drafter/failed"] is False
+        assert record["drafter/precision"] == took.label  # bf16, or fp8 (transformer_engine | torchao)
+    assert took.describe() in (run_dir / "logs" / "rank0.log").read_text()

@@ -133,7 +133,8 @@ def test_fp8_packs_are_padded_to_16_rows_with_a_segment_of_their_own_and_others_
     from megatron_tlt.drafter.trainer import row_multiple
 
     cpu = torch.device("cpu")
-    assert row_multiple(DrafterPrecision(cpu, torch.bfloat16, fp8=True)) == 16
+    assert row_multiple(DrafterPrecision(cpu, torch.bfloat16, fp8_backend="torchao")) == 16
+    assert row_multiple(DrafterPrecision(cpu, torch.bfloat16, fp8_backend="transformer_engine")) == 16
     assert row_multiple(DrafterPrecision(cpu, torch.bfloat16)) == 1
     assert row_multiple(DrafterPrecision(cpu, torch.float32)) == 1
     (pack,) = pack_sequences([_sequence(n, seed) for seed, n in enumerate([20, 9])], max_tokens=128)  # 18 + 7 rows
