@@ -16,7 +16,19 @@ the work of a step of a speculating engine at batch B and depth K, with random b
     its own cache, the target's LM head and argmax.
 t(B, K) = verify(B, K) + K x draft(B); K = 0 is plain decoding (no drafter). Left out: rotary embeddings, the
 sampler's random draws, the scheduler and paged-cache bookkeeping, which vLLM's step also runs. Writes rows of
-(batch, depth, seconds) for ``depth_headroom.py --step-costs``.
+(batch, depth, seconds) for ``depth_headroom.py --step-costs`` and ``flagship_projection.py --step-costs``.
+
+``--shape llama-3.3-70b-tp8`` times one tensor-parallel rank of Llama-3.3-70B at TP=8
+(launch/models/llama-3.3-70b/config.json), as vLLM runs it on 8 GPUs: hidden 8192 (the residual stream is whole
+on every rank), 80 layers, 64/8 = 8 query heads and 8/8 = 1 KV head of dim 128 per rank, FFN 28672/8 = 3584,
+and a vocabulary shard of 128256/8 = 16032 rows for the embedding and the LM head. vLLM runs the EAGLE drafter at
+the target's TP, so its layer is sharded the same way; its fc ([embedding, feature] -> hidden) is a
+ReplicatedLinear in vLLM (llama_eagle.py) and stays whole here. The rows are ONE RANK'S KERNELS ONLY. Left out,
+and not measured on one GPU: the collectives of TP=8 - an all-reduce of [tokens, 8192] after attention and after
+the MLP of every layer (2 x 80 per verify pass, 2 per draft step), one after the vocab-parallel embedding, and the
+gather of the LM head's logits shards ([tokens, 16032] from each rank) - on NVLink, a large part of a decode step.
+``bench/flagship_projection.py`` adds them from a stated bandwidth-and-latency model; the file says ``tp`` in its
+shape so that it knows to. The argmax here runs over the rank's own vocabulary shard.
 """
 
 from __future__ import annotations
@@ -28,15 +40,20 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-LLAMA_8B = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
-TINY = dict(hidden=256, layers=2, heads=8, kv_heads=4, ffn=512, vocab=1000)  # --tiny: a check on any device
+# Per rank: heads, kv_heads, ffn and vocab are the rank's shard of them; hidden is whole (the residual stream).
+SHAPES = {
+    "llama-3.1-8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256, tp=1),
+    "llama-3.3-70b-tp8": dict(hidden=8192, layers=80, heads=64 // 8, kv_heads=8 // 8, head_dim=128, ffn=28672 // 8,
+                              vocab=128256 // 8, tp=8),
+    "tiny": dict(hidden=256, layers=2, heads=8, kv_heads=4, head_dim=32, ffn=512, vocab=1000, tp=1),  # any device
+}
 
 
 class Layer:
     """One decoder layer's weights and its KV cache (for the widest batch; narrower ones use its first rows)."""
 
     def __init__(self, shape: dict, max_batch: int, cache_len: int, device, dtype):
-        h, d = shape["hidden"], shape["hidden"] // shape["heads"]
+        h, d = shape["hidden"], shape["head_dim"]
         self.heads, self.kv_heads, self.head_dim = shape["heads"], shape["kv_heads"], d
         def weight(*size):
             return torch.randn(*size, device=device, dtype=dtype) * 0.02
@@ -135,16 +152,23 @@ def main() -> None:
     parser.add_argument("--depths", default="0,2,4,8,12,16")
     parser.add_argument("--context", type=int, default=1024, help="cached tokens per sequence (default: 1024)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes: a quick check on any device")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b",
+                        help="model shapes (default: llama-3.1-8b; llama-3.3-70b-tp8: one rank of 8, module doc)")
+    parser.add_argument("--tiny", action="store_true", help="the same as --shape tiny: a quick check on any device")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="auto: CUDA (bf16, CUDA graphs) where there is one, else the CPU (eager, fp32)")
     parser.add_argument("--out", required=True, help="JSON rows (batch, depth, seconds) for depth_headroom.py")
     args = parser.parse_args()
     batches = sorted({int(b) for b in args.batches.split(",")})
     depths = sorted({int(k) for k in args.depths.split(",")})
     if batches[0] < 1 or depths[0] < 0 or args.context < 1 or args.repeats < 1:
         parser.error("--batches >= 1, --depths >= 0, --context and --repeats >= 1")
-    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    cuda = args.device != "cpu" and torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    shape = TINY if args.tiny else LLAMA_8B
+    shape_name = "tiny" if args.tiny else args.shape
+    shape = SHAPES[shape_name]
     torch.manual_seed(0)
     with torch.inference_mode():
         kernels = SpeculatingEngineKernels(shape, max(batches), max(depths), args.context, device, dtype)
@@ -159,7 +183,7 @@ def main() -> None:
                 table[(batch, depth)] = seconds = verify + depth * draft
                 rows.append([batch, depth, seconds])
     where = torch.cuda.get_device_name() if cuda else "CPU (eager, fp32)"
-    print(f"one speculative decode step, {'tiny' if args.tiny else 'Llama-3.1-8B'} shapes, {where}, "
+    print(f"one speculative decode step, {shape_name} shapes{' (one TP rank)' if shape['tp'] > 1 else ''}, {where}, "
           f"context {args.context}: ms, and in plain steps of the same batch")
     print(f"{'batch':>6}" + "".join(f"{'K=' + str(k):>16}" for k in depths))
     for batch in batches:
@@ -167,7 +191,7 @@ def main() -> None:
         print(f"{batch:>6}" + "".join(f"{1000 * table[(batch, k)]:>9.3f} ({table[(batch, k)] / plain:.2f})"
                                       for k in depths))
     with open(args.out, "w") as f:
-        json.dump({"device": where, "shape": shape, "context": args.context, "rows": rows}, f)
+        json.dump({"device": where, "shape_name": shape_name, "shape": shape, "context": args.context, "rows": rows}, f)
 
 
 if __name__ == "__main__":
