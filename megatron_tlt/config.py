@@ -238,8 +238,13 @@ class RolloutEngineConfig:
     """Longest prompt + response, in tokens (default: the model's positions, at most 4096)."""
     dtype: str = "float32"
     """Weights and activations in the engine (match the policy's for exact greedy agreement)."""
-    kv_cache_gib: float = 1.0
-    """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU see gpu_memory_utilization."""
+    kv_cache_gib: float | None = None
+    """KV-cache size of each rank's engine on CPU, in whole GiB (VLLM_CPU_KVCACHE_SPACE: rounded, at least 1).
+    None: sized from the step's need (its sequences x (longest prompt + max_response_tokens) x the model's KV
+    bytes per token, as `tlt plan` counts them, in the engine's dtype), at most half the host memory
+    available per local rank, at least 1 GiB. A cache that holds fewer sequences than the step has is warned
+    about at start-up with the figures (spec/kv_budget.py). On GPU the cache is what gpu_memory_utilization
+    leaves; the same warning comes from the engine's reported blocks."""
     gpu_memory_utilization: float = 0.4
     """Share of GPU memory the colocated engine may take; the rest stays for Megatron."""
     enforce_eager: bool = True
@@ -251,6 +256,11 @@ class RolloutEngineConfig:
     tensor_parallel_size: int | None = None
     """Ranks that share one engine (vLLM tensor parallelism over consecutive ranks); None: the policy's
     tensor_parallel_size. Must divide it. 1 gives every rank a whole engine of its own."""
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0.0:  # written so that NaN fails too
+            raise ConfigError(f"rollout.engine.kv_cache_gib must be > 0 GiB or null (sized from the rollout's "
+                              f"need), got {self.kv_cache_gib}")
 
 
 @dataclasses.dataclass(kw_only=True)

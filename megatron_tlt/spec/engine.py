@@ -31,7 +31,7 @@ import torch
 from megatron_tlt import cpu_compat, layout_rules
 from megatron_tlt.config import RolloutEngineConfig, SpeculationConfig
 from megatron_tlt.model_config import PolicyArchitecture
-from megatron_tlt.spec import vllm_versions
+from megatron_tlt.spec import kv_budget, vllm_versions
 from megatron_tlt.spec.cuda_graphs import speculation_schedule
 from megatron_tlt.spec.eagle import eagle_drafter_config, validate_drafter
 from megatron_tlt.spec.metrics import SpecDecodeStats, acceptance_collapsed
@@ -297,7 +297,8 @@ class RolloutEngine:
                 torch.distributed.barrier()  # every rank is built at once: none may take a new segment for stale
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights pass as tensors
         if not torch.cuda.is_available():
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(config.kv_cache_gib)))
+            # a run sizes kv_cache_gib from its rollout (rl/rank_session.py); None here: vllm-cpu's smallest
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_budget.whole_gib(config.kv_cache_gib))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(rank % (os.cpu_count() or 1)))
         from vllm import LLM
 
@@ -340,6 +341,13 @@ class RolloutEngine:
                         compilation.cudagraph_capture_sizes, speculative_config["num_speculative_tokens_per_batch_size"])
         if drafter is not None:
             self.load_drafter(drafter)
+
+    @property
+    def kv_cache_blocks(self) -> tuple[int, int]:
+        """(blocks, tokens per block) of the KV cache vLLM made at start, for the whole engine (every rank of
+        it holds its share of each block): vLLM's ``cache_config.num_gpu_blocks``, the count on CPU too."""
+        cache = self._llm.llm_engine.vllm_config.cache_config
+        return cache.num_gpu_blocks or 0, cache.block_size
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
                  on_finished: Callable[[int, list[list[int]]], None] | None = None) -> RolloutResult:

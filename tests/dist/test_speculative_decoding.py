@@ -5,6 +5,8 @@ closed form, a drafter that is always right under greedy decoding and one that i
 Each scenario runs in its own process (vLLM keeps process-global state).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from lossless_sampling import NUM_SAMPLES, PROMPT, SIGNIFICANCE, goodness_of_fit_p_values
@@ -33,6 +35,7 @@ def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks:
                                speculative=SpeculativeSettings(num_speculative_tokens=K, draft_sampling=draft_sampling),
                                drafter=fixture["good_drafter"])
         try:
+            results["kv_cache_blocks"] = engine.kv_cache_blocks
             engine.load_weights(fixture["target"].items())
             sampled = engine.generate([PROMPT], SamplingSettings(n=NUM_SAMPLES, temperature=1.0, max_tokens=4))
             results["samples"] = np.array(sampled.token_ids[0])
@@ -145,6 +148,21 @@ def test_an_engine_that_cannot_start_says_why(fixed_engine_results):
     assert message.startswith("vLLM engine failed to start on rank 0") and "max_model_len" in message
     memory = fixed_engine_results["memory_failure"]
     assert memory.startswith("vLLM engine failed to start on rank 0") and "5000.0 GiB" in memory
+
+
+def test_vllm_cpu_makes_the_kv_blocks_the_rollout_need_counts(fixed_engine_results):
+    from megatron_tlt.spec import kv_budget
+
+    # the default 1 GiB cache of a float32 engine speculating with one drafter layer (5 layers of 2 KV heads of 32)
+    need = kv_budget.kv_cache_need(architecture_from_dict(TINY_LLAMA_ROLLOUT), sequences=1, tokens_per_sequence=1,
+                                   dtype="float32", speculative_tokens=K)
+    assert need.bytes_per_token == 2 * 5 * 2 * 32 * 4
+    blocks = kv_budget.cpu_blocks(1, need)
+    assert fixed_engine_results["kv_cache_blocks"] == (blocks, kv_budget.VLLM_CPU_BLOCK_SIZE) == (3276, 128)
+    more = dataclasses.replace(need, sequences=blocks + 1, tokens_per_sequence=128)
+    warning = kv_budget.shortfall_warning(more, num_blocks=blocks, block_size=128, held="the engine holds 3276 blocks",
+                                          remedy=kv_budget.CPU_REMEDY)
+    assert "vLLM will keep ~1 of 3277 requests waiting" in warning
 
 
 def test_a_sleep_level_vllm_does_not_have_is_refused_before_it_reaches_vllm(fixed_engine_results):
