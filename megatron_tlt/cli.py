@@ -21,6 +21,16 @@ import sys
 USER_ERROR_EXIT = 2
 
 
+def _chosen_config(args: argparse.Namespace) -> str:
+    """--config, or the one a run of this kind takes (``config.config_name_for``), said in one line."""
+    from megatron_tlt.config import config_name_for
+
+    name, note = config_name_for(args.config, args.overrides)
+    if note is not None:
+        print(f"tlt: {note}", flush=True)
+    return name
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     if args.help_config:  # the keys, not a run: nothing else is read
         from megatron_tlt.config import describe_keys
@@ -29,7 +39,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     from megatron_tlt.commands.start import start_run
 
-    run_dir, records = start_run(args.config, args.overrides, resume_dir=args.resume)
+    config_name = args.config if args.resume is not None else _chosen_config(args)
+    run_dir, records = start_run(config_name, args.overrides, resume_dir=args.resume)
     if records:
         last = records[-1]
         print(f"tlt train: {last['step']} steps done; last step reward {last['reward_mean']:.3f}, "
@@ -52,7 +63,7 @@ def _cmd_warmup_drafter(args: argparse.Namespace) -> int:
 
     settings = ColdStartSettings(prompts=args.prompts, eval_prompts=args.eval_prompts, epochs=args.epochs,
                                  draft_tokens=args.draft_tokens)
-    figures = start_drafter_warmup(args.config, args.overrides, policy=args.policy, out_dir=args.out,
+    figures = start_drafter_warmup(_chosen_config(args), args.overrides, policy=args.policy, out_dir=args.out,
                                    settings=settings)
     print(f"tlt warmup-drafter: trained on {figures['tokens_trained']} tokens from {figures['train_prompts']} "
           f"responses of the policy, {figures['epochs']} epochs")
@@ -82,7 +93,7 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
     settings = RolloutBenchSettings(prompts=args.prompts, depths=depths, rounds=args.rounds, sampled=args.sampled,
                                     bandit_warmup_rollouts=args.bandit_warmup, rotate_prompts=not args.same_prompts,
                                     as_a_rank=args.as_a_rank, vllm_table=table)
-    figures = start_rollout_bench(args.config, args.overrides, policy=args.policy, drafter=args.drafter,
+    figures = start_rollout_bench(_chosen_config(args), args.overrides, policy=args.policy, drafter=args.drafter,
                                   settings=settings)
     print(format_figures(figures))
     if args.json:
@@ -128,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="RL-train a policy (no arguments: the embedded tiny default)")
-    train.add_argument("--config", default="tiny", help="config name under launch/configs or a YAML path")
+    train.add_argument("--config", default=None, help="config name under launch/configs or a YAML path "
+                       "(default: tiny; hf where model.hf_dir is set)")
     train.add_argument("--resume", metavar="RUN_DIR", default=None,
                        help="continue the run in RUN_DIR from its latest checkpoint (its config.yaml is used)")
     train.add_argument("--help-config", action="store_true",
@@ -138,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     warm = commands.add_parser("warmup-drafter", help="train a drafter offline on the policy's own responses")
     warm.add_argument("--out", required=True, help="new output directory (an EAGLE drafter)")
-    warm.add_argument("--config", default="tiny", help="config name under launch/configs or a YAML path")
+    warm.add_argument("--config", default=None, help="config name under launch/configs or a YAML path "
+                       "(default: tiny; hf where model.hf_dir is set)")
     warm.add_argument("--policy", default=None, metavar="RUN|CKPT",
                       help="policy to distil: a run directory (its latest checkpoint) or a checkpoint "
                            "(default: the config's initial policy)")
@@ -153,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True)
     rollout = benches.add_parser("rollout", help="one rollout without speculation, at fixed depths and with "
                                                  "BEG-MAB, side by side in one process (greedy, lossless check)")
-    rollout.add_argument("--config", default="tiny", help="config name under launch/configs or a YAML path")
+    rollout.add_argument("--config", default=None, help="config name under launch/configs or a YAML path "
+                       "(default: tiny; hf where model.hf_dir is set)")
     rollout.add_argument("--policy", default=None, metavar="RUN|CKPT",
                          help="policy: a run directory or checkpoint (default: the config's initial policy)")
     rollout.add_argument("--drafter", default=None, metavar="DIR|RUN",

@@ -381,9 +381,9 @@ class DrafterConfig:
     ranks share one memory bus and an idle rank's training slows the ranks still generating
     (bench/spot_overhead.py: +7.8% critical path at 1.0, none measurable at 0.25)."""
     precision: str = "auto"
-    """auto (fp8 where the GPU has FP8 tensor cores and Transformer Engine or torchao is importable, else bf16 on
-    GPU, fp32 on CPU), fp32, bf16, fp8 (refused at start-up, saying why, where it cannot run). The path taken is
-    logged and in summary.json as drafter/precision."""
+    """auto (fp8 through Transformer Engine where the GPU has FP8 tensor cores and TE is importable, else bf16 on
+    GPU, fp32 on CPU), fp32, bf16, fp8 (through TE, else torchao's float8 training; refused at start-up, saying
+    why, where neither can run). The path taken is logged and in summary.json as drafter/precision."""
     init_dir: str | None = None
     """Start from this EAGLE drafter directory (e.g. made by ``tlt warmup-drafter``) instead of random weights."""
     cold_start: bool = False
@@ -676,6 +676,31 @@ def _resolve_config_file(name_or_path: str) -> Path:
         available = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
         raise ConfigError(f"no config named '{name_or_path}'; available: {', '.join(available) or 'none'}")
     return named
+
+
+DEFAULT_CONFIG, PRETRAINED_CONFIG = "tiny", "hf"
+"""The configs a run takes without --config: the embedded tiny default, or, with model.hf_dir set, the one made
+for a pretrained model (launch/configs/hf.yaml)."""
+
+
+def config_name_for(name_or_path: str | None, overrides: list[str]) -> tuple[str, str | None]:
+    """The config a command runs: ``name_or_path`` when given, else ``hf`` where the overrides set
+    ``model.hf_dir`` and ``tiny`` otherwise; with the one line to print when that choice was made here."""
+    if name_or_path is not None:
+        return name_or_path, None
+    if any(o.split("=", 1)[0].strip() == "model.hf_dir" for o in overrides):
+        return PRETRAINED_CONFIG, (f"model.hf_dir is set: using --config {PRETRAINED_CONFIG} (GRPO settings for a "
+                                   f"pretrained model, launch/configs/{PRETRAINED_CONFIG}.yaml); --config "
+                                   f"{DEFAULT_CONFIG} keeps the tiny default's")
+    return DEFAULT_CONFIG, None
+
+
+def check_pretrained_config(name_or_path: str | None, config: TLTConfig) -> None:
+    """The ``hf`` config trains a model of the user's: refuse it without one (it would RL-train the tiny
+    default from scratch at a pretrained model's learning rate)."""
+    if name_or_path == PRETRAINED_CONFIG and config.model.hf_dir is None:
+        raise ConfigError(f"--config {PRETRAINED_CONFIG} trains a pretrained model: set model.hf_dir=DIR (a Hugging "
+                          "Face model directory with config.json, safetensors and its tokenizer)")
 
 
 def load_config(name_or_path: str | None = None, overrides: list[str] | None = None) -> TLTConfig:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megatron_tlt import atomic_files, layout_rules
 from megatron_tlt.commands.warmup_settings import ColdStartSettings
-from megatron_tlt.config import load_config, to_yaml, world_size
+from megatron_tlt.config import check_pretrained_config, load_config, to_yaml, world_size
 from megatron_tlt.launcher import launched_rank
 from megatron_tlt.rl import run_dir as run_files
 
@@ -76,6 +76,8 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
     from megatron_tlt.rl import checkpoint_paths
 
     config = _load(config_name, overrides, resume_dir)
+    if resume_dir is None:
+        check_pretrained_config(config_name, config)
     _check_drafter_precision(config)  # before any directory is made or rank started
     _check_layout(config)
     launched = launched_world_size()
@@ -126,6 +128,7 @@ def start_drafter_warmup(config_name: str | None, overrides: list[str], *, polic
     from megatron_tlt.hf_io import check_output_dir
 
     config = load_config(config_name, overrides)
+    check_pretrained_config(config_name, config)
     _check_drafter_precision(config)
     if min(settings.prompts, settings.eval_prompts, settings.epochs, settings.draft_tokens) < 1:
         raise ValueError("--prompts, --eval-prompts, --epochs and --draft-tokens must be >= 1")
@@ -157,6 +160,16 @@ REWARD_SCORING_DATA_FIELDS = ("reward_workers", "reward_timeout_s", "reward_fail
 
 COLD_START = ColdStartSettings(prompts=BENCH_DRAFTER_PROMPTS, epochs=BENCH_DRAFTER_EPOCHS,
                                draft_tokens=BENCH_DRAFTER_EVAL_DEPTH)  # the default's depth
+# A pretrained policy's (model.hf_dir): the policy answers up to 512 of the user's prompts, two epochs over its
+# responses. Its rollouts cost far more than the tiny default's, and the spot trainer carries on from there.
+PRETRAINED_COLD_START = ColdStartSettings(prompts=512, eval_prompts=32, epochs=2, draft_tokens=2)
+
+
+def cold_start_settings(config) -> ColdStartSettings:
+    """How the cold start of the config's initial policy is made: the tiny default's, or a pretrained policy's."""
+    if config.model.hf_dir is None:
+        return COLD_START
+    return dataclasses.replace(PRETRAINED_COLD_START, draft_tokens=max(1, config.drafter.speculative_tokens))
 
 
 def cold_start_dir(config) -> Path:
@@ -173,7 +186,7 @@ def cold_start_dir(config) -> Path:
     key = tiny_default.cache_key(warmup=tiny_default.warmup_recipe(config), model=dataclasses.asdict(config.model),
                                  data=data, parallel=dataclasses.asdict(config.parallel),
                                  seed=config.trainer.seed, sampling=sampling, drafter=drafter,
-                                 cold_start=dataclasses.asdict(COLD_START))
+                                 cold_start=dataclasses.asdict(cold_start_settings(config)))
     return tiny_default.cache_root(config.warmup.cache_dir) / f"drafter-{key}"
 
 
@@ -192,7 +205,8 @@ def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: b
             raise FileNotFoundError(f"drafter.cold_start: no cold-start drafter cached at {directory}; under torchrun "
                                     "make it first (the same command without torchrun) or set drafter.init_dir")
         print(f"no drafter given: warming one up on the initial policy (cached in {directory})", flush=True)
-        start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), settings=COLD_START)
+        start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory),
+                             settings=cold_start_settings(config))
     return directory
 
 

@@ -46,8 +46,12 @@ def _split_prompts(task: Task, settings: ColdStartSettings) -> tuple[list[Prompt
     examples = list(task.dataset.examples)
     if task.held_out:
         held_out = list(task.held_out[: settings.eval_prompts])
-    else:
-        held_out, examples = examples[-settings.eval_prompts:], examples[: -settings.eval_prompts]
+    else:  # a small dataset keeps at least three quarters of its prompts to train on
+        eval_prompts = min(settings.eval_prompts, len(examples) // 4)
+        if eval_prompts < settings.eval_prompts:
+            logger.warning("the dataset's %d prompts: %d held out to evaluate the drafter, not %d", len(examples),
+                           eval_prompts, settings.eval_prompts)
+        held_out, examples = examples[len(examples) - eval_prompts:], examples[: len(examples) - eval_prompts]
     if len(examples) < settings.prompts:
         logger.warning("the dataset has %d prompts to train on, fewer than the %d asked for", len(examples),
                        settings.prompts)

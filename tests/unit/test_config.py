@@ -201,3 +201,33 @@ def test_tlt_is_on_in_the_tiny_default_and_two_overrides_turn_it_off():
     assert on.speculation.adaptive
     off = load_config("tiny", ["drafter.speculative_tokens=0", "drafter.spot_training=false"])
     assert off.drafter.speculative_tokens == 0 and not off.drafter.spot_training
+
+
+def test_model_hf_dir_without_a_config_picks_the_pretrained_config_and_says_so():
+    from megatron_tlt.config import config_name_for
+
+    assert config_name_for(None, ["trainer.steps=2"]) == ("tiny", None)
+    name, note = config_name_for(None, ["model.hf_dir=/models/mine", "trainer.steps=2"])
+    assert name == "hf" and note.startswith("model.hf_dir is set: using --config hf")
+    assert config_name_for("tiny", ["model.hf_dir=/models/mine"]) == ("tiny", None)  # asked for: kept
+
+
+def test_the_pretrained_config_holds_rl_settings_for_a_pretrained_model_and_needs_one():
+    from megatron_tlt.config import check_pretrained_config
+
+    config = load_config("hf", ["model.hf_dir=/models/mine"])
+    assert config.optimizer.lr == 1e-6 and config.algorithm.kl_coef == 0.001
+    assert (config.rollout.samples_per_prompt, config.rollout.max_response_tokens) == (8, 1024)
+    assert config.drafter.cold_start and config.drafter.spot_training and config.speculation.adaptive
+    check_pretrained_config("hf", config)
+    with pytest.raises(ConfigError, match="--config hf trains a pretrained model: set model.hf_dir=DIR"):
+        check_pretrained_config("hf", load_config("hf"))
+    check_pretrained_config("tiny", load_config("tiny"))
+
+
+def test_the_cold_start_of_a_pretrained_policy_is_sized_for_its_prompts_and_keeps_the_tiny_defaults_key():
+    from megatron_tlt.commands.start import COLD_START, cold_start_settings
+
+    assert cold_start_settings(load_config("tiny")) is COLD_START  # the shipped drafter's cache key is unchanged
+    pretrained = cold_start_settings(load_config("hf", ["model.hf_dir=/models/mine"]))
+    assert (pretrained.prompts, pretrained.epochs, pretrained.draft_tokens) == (512, 2, 4)
