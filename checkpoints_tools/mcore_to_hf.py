@@ -1,7 +1,9 @@
-"""Megatron distributed checkpoint (any TP/PP) -> HF safetensors + config.json.
+"""Megatron distributed checkpoint (any TP/PP) -> HF safetensors + config.json + the tokenizer files.
 
 The checkpoint is loaded on one rank at TP=1/PP=1 (Megatron's dist_checkpointing reshards on load),
-converted tensor by tensor and written into a staging directory that becomes ``--out`` at the end.
+converted tensor by tensor and written into a staging directory that becomes ``--out`` at the end. The
+tokenizer files (and chat template) are those the checkpoint holds: ``tlt convert hf-to-mcore`` copies them from
+the HF model, a training run from the policy it trains (``rl/checkpoint.py``), so the output serves as it is.
 """
 
 from __future__ import annotations
@@ -44,5 +46,7 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, max_shard_
         config.setdefault("model_type", arch.family)  # transformers' AutoConfig needs it (the tiny default's has none)
         config["torch_dtype"] = meta.dtype
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        copy_tokenizer_files(ckpt_dir, staging)
+        if not copy_tokenizer_files(ckpt_dir, staging):  # a checkpoint of a run from before they were kept
+            logger.warning("%s holds no tokenizer files: copy those of the policy it came from (tokenizer.json or "
+                           "tokenizer.model, tokenizer_config.json, ...) into %s before serving it", ckpt_dir, out_dir)
     return Path(out_dir)

@@ -25,14 +25,20 @@ if TYPE_CHECKING:
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# Files that travel with the weights so the output is a complete, loadable model directory.
+# Files that travel with the weights so the output is a complete, loadable model directory: the tokenizer
+# (fast, sentencepiece or byte-level BPE), its special tokens, the chat template (inside
+# tokenizer_config.json, or its own file since transformers 4.43/5) and the generation defaults.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
-    "generation_config.json",
     "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
 
 
@@ -111,7 +117,9 @@ def write_hf_weights(tensors: dict[str, torch.Tensor], out_dir: Path, *, max_sha
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
-def copy_tokenizer_files(src_dir: Path, dst_dir: Path) -> list[str]:
+def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
+    """Copy the ``TOKENIZER_FILES`` that ``src_dir`` holds into ``dst_dir``; returns their names."""
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
     copied = []
     for name in TOKENIZER_FILES:
         if (src_dir / name).is_file():

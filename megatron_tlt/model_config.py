@@ -2,13 +2,15 @@
 
 Only what the Megatron-Core model and the weight maps need is kept, in one frozen dataclass, so the
 rest of the code never touches raw HF dictionaries. Supported families: Llama-3.x
-(``LlamaForCausalLM``) and Qwen2/Qwen2.5 (``Qwen2ForCausalLM``, which adds a bias to q/k/v).
+(``LlamaForCausalLM``) and Qwen2/Qwen2.5 (``Qwen2ForCausalLM``, which adds a bias to q/k/v), named by the
+config's ``architectures`` list or, in configs without one, by its ``model_type`` (``llama``, ``qwen2``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,12 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
 }
+
+# ``model_type`` -> the class, for configs that name no ``architectures`` (GGUF conversions and some
+# fine-tuning exports write none).
+ARCHITECTURE_OF_MODEL_TYPE = {family: architecture for architecture, family in SUPPORTED_ARCHITECTURES.items()}
+
+logger = logging.getLogger(__name__)
 
 # Megatron pads the vocabulary so every tensor-parallel shard of the embedding has the same rows.
 VOCAB_PAD_MULTIPLE = 128
@@ -60,7 +68,8 @@ class PolicyArchitecture:
     tie_word_embeddings: bool
     qkv_bias: bool
     hf_config: dict[str, Any] = dataclasses.field(repr=False, compare=False)
-    """The original config.json, kept verbatim so the export writes it back unchanged."""
+    """The original config.json, kept verbatim so the export writes it back unchanged (but for an
+    ``architectures`` list, added where it had none)."""
 
     @property
     def heads_per_group(self) -> int:
@@ -101,15 +110,30 @@ def _parse_rope_scaling(raw: dict[str, Any] | None, source: str) -> RopeScaling 
     )
 
 
-def architecture_from_dict(cfg: dict[str, Any], source: str = "config.json") -> PolicyArchitecture:
+def _supported_architecture(cfg: dict[str, Any], source: str) -> str:
+    """The HF class of ``cfg``: the first supported entry of ``architectures`` or, where the list is absent,
+    the class of its ``model_type``."""
     architectures = cfg.get("architectures") or []
-    known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
-    if not known:
+    if architectures:
+        known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+        if not known:
+            raise ModelConfigError(f"{source}: unsupported architecture {architectures!r}; "
+                                   f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        return known[0]
+    model_type = cfg.get("model_type")
+    if model_type not in ARCHITECTURE_OF_MODEL_TYPE:
         raise ModelConfigError(
-            f"{source}: unsupported architecture {architectures or cfg.get('model_type')!r}; "
-            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    architecture = known[0]
+            f"{source}: no 'architectures' list, and model_type {model_type!r} is not one we support; supported: "
+            f"model_type {sorted(ARCHITECTURE_OF_MODEL_TYPE)} (architectures {sorted(SUPPORTED_ARCHITECTURES)})")
+    architecture = ARCHITECTURE_OF_MODEL_TYPE[model_type]
+    logger.info("%s: no 'architectures' list; model_type '%s' read as %s", source, model_type, architecture)
+    return architecture
+
+
+def architecture_from_dict(cfg: dict[str, Any], source: str = "config.json") -> PolicyArchitecture:
+    """The architecture of a config.json's contents. Its ``hf_config`` always names ``architectures`` (read
+    from ``model_type`` where the config has no such list), so every config.json written from it does too."""
+    architecture = _supported_architecture(cfg, source)
     family = SUPPORTED_ARCHITECTURES[architecture]
     hidden = int(_require(cfg, "hidden_size", source))
     heads = int(_require(cfg, "num_attention_heads", source))
@@ -141,7 +165,7 @@ def architecture_from_dict(cfg: dict[str, Any], source: str = "config.json") -> 
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
-        hf_config=dict(cfg),
+        hf_config=dict(cfg) if cfg.get("architectures") else dict(cfg, architectures=[architecture]),
     )
 
 

@@ -7,7 +7,9 @@ and, through its stdout and stderr file descriptors, what never passes through P
 warnings such as the NUMA binding notice, prints, libraries' progress bars). The console (``console()``)
 keeps rank 0's progress bar and report lines, every rank's ERROR records and our own warnings, one line
 each; a traceback goes to the file only. ``tlt -v`` leaves the descriptors alone and shows every record
-at INFO on the console, as well as in the file.
+at INFO on the console, as well as in the file. Records of dependencies known to be no concern of the run
+(``_KNOWN_HARMLESS_RECORDS``: vLLM's chat-renderer warm-up traceback in an engine without a tokenizer, torch's
+deprecation notices for enums torchao registers as it is imported) go nowhere.
 
 Without a log directory (the commands that have no run directory) the console shows the records at the
 launching process's level, as it always did.
@@ -60,6 +62,7 @@ def hold_import_records() -> None:
     (``RankOutput.start``) rather than the launching terminal, where no rank's log stands around it.
     """
     global _held_records
+    silence_known_harmless_records()  # torch's own handlers print some of them straight to the terminal
     root = logging.getLogger()
     # No target: a MemoryHandler without one never empties its buffer; the ranks read it.
     _held_records = logging.handlers.MemoryHandler(capacity=1 << 20, flushLevel=logging.CRITICAL + 1)
@@ -136,6 +139,61 @@ class _ConsoleHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+# ---------------------------------------------------------------- dependencies' harmless tracebacks
+
+@dataclasses.dataclass(frozen=True)
+class _KnownHarmlessRecord:
+    """A dependency's log record that is no concern of the run: dropped where it matches in full (logger,
+    message, and the exception's type and text where it carries one), so that anything else still shows."""
+
+    logger: str
+    message: str
+    """The whole message, or with ``message_is_suffix`` its end."""
+    exception: type[BaseException] | None = None
+    exception_text: str = ""
+    message_is_suffix: bool = False
+
+    def matches(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.name != self.logger or not (message.endswith(self.message) if self.message_is_suffix
+                                              else message == self.message):
+            return False
+        err = record.exc_info[1] if record.exc_info else None
+        if self.exception is None:
+            return err is None
+        return isinstance(err, self.exception) and self.exception_text in str(err)
+
+
+_KNOWN_HARMLESS_RECORDS = (
+    # LLM() warms up its chat renderer (vLLM 0.32: entrypoints/llm.py -> renderers/base.py ``warmup``) even in an
+    # engine started without a tokenizer, as the rollout engines are (token ids in and out); no LLM argument skips it.
+    _KnownHarmlessRecord(logger="vllm.renderers.base", message="Chat template warmup failed", exception=ValueError,
+                         exception_text="Tokenizer not available when `skip_tokenizer_init=True`"),
+    # vLLM imports torchao where it is installed (the FP8 drafter's backend); torchao registers its enums with
+    # torch's pytree, which torch 2.13 calls deprecated, once per enum, at import.
+    _KnownHarmlessRecord(logger="torch.utils._pytree", message_is_suffix=True,
+                         message="is an Enum subclass and is now natively supported by torch.compile as an opaque "
+                                 "value type. Calling register_constant() on Enum subclasses is deprecated and will "
+                                 "be an error in a future release."),
+)
+
+
+class _HarmlessRecordFilter(logging.Filter):
+    """Drops the ``_KNOWN_HARMLESS_RECORDS`` of one logger; set on that logger, so it holds whichever handlers
+    (ours, vLLM's own) print its records."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(known.matches(record) for known in _KNOWN_HARMLESS_RECORDS)
+
+
+def silence_known_harmless_records() -> None:
+    """Filter the ``_KNOWN_HARMLESS_RECORDS`` in this process (idempotent). Each rank does at its start."""
+    for name in {known.logger for known in _KNOWN_HARMLESS_RECORDS}:
+        named = logging.getLogger(name)
+        if not any(isinstance(f, _HarmlessRecordFilter) for f in named.filters):
+            named.addFilter(_HarmlessRecordFilter())
+
+
 # ---------------------------------------------------------------- a rank's output
 
 class RankOutput:
@@ -154,6 +212,7 @@ class RankOutput:
         global _console
         root = logging.getLogger()
         held = _take_held_records()
+        silence_known_harmless_records()
         self._saved_root = (root.level, root.handlers[:])
         for handler in self._saved_root[1]:
             root.removeHandler(handler)

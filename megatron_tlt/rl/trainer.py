@@ -423,7 +423,8 @@ class RLTrainer:
                                    meta=policy_source.checkpoint_meta(self.arch, self.config.model.dtype),
                                    sampler_state=self.sampler.state_dict(), dp_rank=self.dp_rank,
                                    keep=self.config.trainer.keep_checkpoints,
-                                   rank_state={"bandit": self.engine.bandit_state()})
+                                   rank_state={"bandit": self.engine.bandit_state()},
+                                   tokenizer_dir=self.tokenizer.directory)
         if self.drafter is not None:
             self.drafter.save(step)
 

