@@ -30,9 +30,9 @@ def drafter_cost_share(overrides: list[str]) -> tuple[float, int, int]:
     """(drafter FLOPs per draft token / policy FLOPs per token, policy layers, drafter parameters)."""
     from megatron_tlt.config import load_config
     from megatron_tlt.plan_model import count_parameters, drafter_parameters
-    from megatron_tlt.rl.task import load_task
+    from megatron_tlt.rl.task_source import task_source
 
-    arch = load_task(load_config(CONFIG, overrides)).arch  # the config `tlt train` runs below
+    arch = task_source(load_config(CONFIG, overrides)).architecture()  # the config `tlt train` runs below
     # A token's matmul FLOPs are 2 x the weights it passes through: the embedding is a lookup, not a matmul
     # (an untied one is left out; a tied one is the LM head, which both models run once per token).
     lm_head = arch.vocab_size * arch.hidden_size

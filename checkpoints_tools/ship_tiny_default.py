@@ -20,6 +20,7 @@ from megatron_tlt import atomic_files
 from megatron_tlt.commands.start import cold_start_drafter
 from megatron_tlt.config import load_config
 from megatron_tlt.rl import shipped_start, tiny_default
+from megatron_tlt.rl.artifact_cache import cache_root
 
 CONFIG = "tiny"
 
@@ -31,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*args.overrides, "warmup.use_shipped=false"]
     drafter = cold_start_drafter(CONFIG, overrides)  # its ranks make the policy's warm-up first when missing
     config = load_config(CONFIG, overrides)
-    from megatron_tlt.rl.policy_source import warmed_up_dir  # torch: only once the ranks are done
+    from megatron_tlt.rl.tiny_source import warmed_up_dir  # torch: only once the ranks are done
 
-    tokenizer = tiny_default.load_task_tokenizer(tiny_default.cache_root(config.warmup.cache_dir))
+    tokenizer = tiny_default.load_task_tokenizer(cache_root(config.warmup.cache_dir))
     policy = warmed_up_dir(config, tokenizer)
     root = shipped_start.SHIPPED_DIR
     for old in shipped_start.read_manifest(root)["entries"]:

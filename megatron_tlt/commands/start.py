@@ -44,16 +44,9 @@ def _check_drafter_precision(config) -> None:
 
 def _check_layout(config) -> None:
     """Every layout rule of the run for the policy it will train (``layout_rules``, which tlt plan shares)."""
-    from megatron_tlt.model_config import load_architecture
-    from megatron_tlt.rl import tiny_default
-    from megatron_tlt.tokenizer import load_tokenizer
+    from megatron_tlt.rl.task_source import task_source
 
-    if config.model.hf_dir is None:  # every rank loads the same tokenizer: make it once, here
-        tokenizer_dir = tiny_default.ensure_tokenizer(tiny_default.cache_root(config.warmup.cache_dir))
-        arch = tiny_default.policy_architecture(config, load_tokenizer(tokenizer_dir))
-    else:
-        arch = load_architecture(config.model.hf_dir)
-    layout_rules.check_run_layout(config, arch)
+    layout_rules.check_run_layout(config, task_source(config).architecture())
 
 
 def _run_on_engine_ranks(fn, nprocs: int, *args, log_dir: Path | None = None) -> dict:
@@ -174,7 +167,7 @@ def cold_start_settings(config) -> ColdStartSettings:
 
 def cold_start_dir(config) -> Path:
     """The cache entry of the config's cold-start drafter (it may not exist yet)."""
-    from megatron_tlt.rl import tiny_default
+    from megatron_tlt.rl.artifact_cache import cache_key, cache_root, warmup_recipe
 
     # Keyed by what the cold start reads, not by the RL-only drafter settings (depth, spot training, alarms):
     # the TLT-on and TLT-off arms of a benchmark share one drafter.
@@ -183,23 +176,22 @@ def cold_start_dir(config) -> Path:
         drafter["unroll_steps"] = config.drafter.unroll_steps
     sampling = dict(temperature=config.rollout.temperature, max_response_tokens=config.rollout.max_response_tokens)
     data = {k: v for k, v in dataclasses.asdict(config.data).items() if k not in REWARD_SCORING_DATA_FIELDS}
-    key = tiny_default.cache_key(warmup=tiny_default.warmup_recipe(config), model=dataclasses.asdict(config.model),
-                                 data=data, parallel=dataclasses.asdict(config.parallel),
-                                 seed=config.trainer.seed, sampling=sampling, drafter=drafter,
-                                 cold_start=dataclasses.asdict(cold_start_settings(config)))
-    return tiny_default.cache_root(config.warmup.cache_dir) / f"drafter-{key}"
+    key = cache_key(warmup=warmup_recipe(config), model=dataclasses.asdict(config.model), data=data,
+                    parallel=dataclasses.asdict(config.parallel), seed=config.trainer.seed, sampling=sampling,
+                    drafter=drafter, cold_start=dataclasses.asdict(cold_start_settings(config)))
+    return cache_root(config.warmup.cache_dir) / f"drafter-{key}"
 
 
 def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: bool = True) -> Path:
     """The cold-start drafter of the config's initial policy (``tlt warmup-drafter``), installed from the
     package or made on first use (unless not ``make``) and cached: what ``drafter.cold_start`` and the
     benchmarks start from."""
-    from megatron_tlt.rl import shipped_start
+    from megatron_tlt.rl.task_source import task_source
 
     config = load_config(config_name, overrides)
     directory = cold_start_dir(config)
     if not (directory / "model.safetensors").is_file():
-        if config.warmup.use_shipped and shipped_start.install(directory):
+        if task_source(config).install_shipped(directory):
             return directory
         if not make:
             raise FileNotFoundError(f"drafter.cold_start: no cold-start drafter cached at {directory}; under torchrun "

@@ -23,7 +23,8 @@ from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES
 from megatron_tlt.rl import policy_source
 from megatron_tlt.rl.engine_placement import engine_placement
-from megatron_tlt.rl.task import engine_config_for, load_task, sampling_settings
+from megatron_tlt.rl.task import engine_config_for, sampling_settings
+from megatron_tlt.rl.task_source import task_source
 from megatron_tlt.rl.weight_sync import SyncStats, sync_policy_to_engine
 from megatron_tlt.spec import kv_budget
 from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings, SpeculativeSettings
@@ -50,10 +51,11 @@ class RankSession:
     def __init__(self, config: TLTConfig, *, policy_dir: Path | None = None, resume_dir: Path | None = None,
                  ddp: bool = False, show_progress: bool = False):
         self.config = config
-        self.task = task = load_task(config)
+        source = task_source(config)
+        self.task = task = source.load_task()
         layout_rules.check_run_layout(config, task.arch)
-        self.initial_source = (Path(policy_dir) if policy_dir is not None else policy_source.initial_policy_dir(
-            config, task.tokenizer, task.arch, show_progress=show_progress))
+        self.initial_source = (Path(policy_dir) if policy_dir is not None else source.initial_policy_dir(
+            task, show_progress=show_progress))
         model = policy_source.load_policy(config, task.arch, resume_dir or self.initial_source)
         self.model = mcore.wrap_ddp(model, distributed_optimizer=config.optimizer.distributed) if ddp else model
         # The checkpoint's vocabulary padding, which a policy saved at another TP keeps (e.g. 512 rows

@@ -1,7 +1,7 @@
 """The tiny default's starting point, shipped with the package: its warmed-up policy and cold-start drafter.
 
-Both are made by the code (``rl/policy_source.py``, ``tlt warmup-drafter``) and cached under a key of
-everything that made them (``tiny_default.cache_key``). Making them takes ~70 minutes on a 2-core CPU
+Both are made by the code (``rl/tiny_source.py``, ``tlt warmup-drafter``) and cached under a key of
+everything that made them (``artifact_cache.cache_key``). Making them takes ~70 minutes on a 2-core CPU
 for the default's 64-layer policy, and floating-point sums differ between machines, so a run on another
 machine would start elsewhere. The package therefore carries copies of the default's two cache
 entries, byte for byte, with a manifest of their checksums: a run whose cache key matches a shipped

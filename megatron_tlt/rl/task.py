@@ -1,20 +1,24 @@
-"""What a run trains on: the tokenizer, the policy's architecture, the prompts and held-out prompts.
+"""What a run trains on (``Task``: the tokenizer, the policy's architecture, the prompts and held-out prompts)
+and the one interface it comes from (``TaskSource``).
 
-Either the built-in tiny task (tokenizer and prompts made by the code, cached) or an HF policy
-directory with a prompt file. ``tlt train`` and ``tlt warmup-drafter`` load it the same way.
+Two sources implement it: the built-in tiny default (``rl/tiny_source.py``: tokenizer, prompts and policy
+made by the code, cached) and a user's model and data (``rl/pretrained_source.py``: an HF policy directory
+with a prompt file); ``rl/task_source.task_source`` picks one. ``tlt train``, ``tlt warmup-drafter`` and
+``tlt bench rollout`` load a task the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Protocol
 
 from megatron_tlt.config import RolloutEngineConfig, TLTConfig
 from megatron_tlt.layout_rules import resolve_engine_tp
-from megatron_tlt.model_config import PolicyArchitecture, load_architecture
-from megatron_tlt.rl import tiny_default
-from megatron_tlt.rl.data import PromptDataConfig, PromptDataset, PromptExample, load_prompt_dataset
+from megatron_tlt.model_config import PolicyArchitecture
+from megatron_tlt.rl.data import PromptDataset, PromptExample
 from megatron_tlt.spec.engine import SamplingSettings
-from megatron_tlt.tokenizer import Tokenizer, load_tokenizer
+from megatron_tlt.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,26 +29,32 @@ class Task:
     held_out: list[PromptExample]
     """Prompts never trained on, for evaluation (empty for a prompt file)."""
 
+    def __post_init__(self):
+        if self.tokenizer.eos_id is None:
+            raise ValueError(f"tokenizer {self.tokenizer.directory} has no EOS token: responses would never end")
 
-def load_task(config: TLTConfig) -> Task:
-    if config.model.hf_dir is None:
-        root = tiny_default.cache_root(config.warmup.cache_dir)
-        tokenizer = tiny_default.load_task_tokenizer(root)
-        shape = tiny_default.TaskShape.of(config)
-        held_out = (tiny_default.held_out_prompts(tokenizer, config.data.held_out_prompts, config.warmup.corpus_size,
-                                                  shape) if config.data.held_out_prompts else [])
-        task = Task(tokenizer, tiny_default.policy_architecture(config, tokenizer),
-                    tiny_default.rl_prompts(tokenizer, config.data.synthetic_prompts, shape), list(held_out))
-    else:
-        if config.data.path is None:
-            raise ValueError("model.hf_dir needs a prompt file in data.path")
-        tokenizer = load_tokenizer(config.model.hf_dir)
-        dataset = load_prompt_dataset(config.data.path, tokenizer,
-                                      PromptDataConfig(max_prompt_tokens=config.data.max_prompt_tokens))
-        task = Task(tokenizer, load_architecture(config.model.hf_dir), dataset, [])
-    if task.tokenizer.eos_id is None:
-        raise ValueError(f"tokenizer {task.tokenizer.directory} has no EOS token: responses would never end")
-    return task
+
+class TaskSource(Protocol):
+    """Where a run's task and initial policy come from. ``architecture`` runs in the parent process (no
+    Megatron, no vLLM); the rest on every rank."""
+
+    def architecture(self) -> PolicyArchitecture:
+        """The policy's architecture, for the layout checks before any rank starts."""
+        ...
+
+    def load_task(self) -> Task:
+        """The tokenizer, architecture, training prompts and held-out prompts."""
+        ...
+
+    def initial_policy_dir(self, task: Task, *, show_progress: bool) -> Path | None:
+        """The policy checkpoint RL starts from, made now if need be (collective); None where the policy
+        loads from ``model.hf_dir`` instead (``policy_source.load_policy``)."""
+        ...
+
+    def install_shipped(self, entry: Path) -> bool:
+        """Install the packaged copy of the cache entry ``entry`` (e.g. a cold-start drafter); False where
+        none is shipped."""
+        ...
 
 
 def engine_config_for(config: TLTConfig, task: Task) -> RolloutEngineConfig:

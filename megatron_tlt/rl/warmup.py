@@ -1,4 +1,4 @@
-"""Supervised warm-up of the tiny default policy before RL (cached by the caller).
+"""Supervised warm-up of the tiny default policy before RL (cached by the caller: ``rl/tiny_source.py``).
 
 A from-scratch policy never answers correctly, so RL would see only zero rewards. A short
 supervised phase on worked solutions of the task, through the same Megatron model, DDP and
@@ -13,12 +13,18 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from megatron_tlt import mcore
+from megatron_tlt import atomic_files, mcore, policy
+from megatron_tlt.config import TLTConfig, build_options
 from megatron_tlt.device import module_device, to_device
 from megatron_tlt.lm_training import LMMicroBatch, length_sorted_chunks, lm_train_step
+from megatron_tlt.model_config import PolicyArchitecture
+from megatron_tlt.rl import checkpoint, policy_source, tiny_default
+from megatron_tlt.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +88,51 @@ def run_warmup(model: torch.nn.Module, optimizer, corpus: Sequence[tuple[list[in
     logger.info("warm-up: %d steps in %.1fs, loss %.3f -> %.3f", schedule.steps, time.perf_counter() - started,
                 losses[0] if losses else float("nan"), losses[-1] if losses else float("nan"))
     return losses
+
+
+def warm_up_tiny_policy(config: TLTConfig, tokenizer: Tokenizer, arch: PolicyArchitecture, final: Path, *,
+                        show_progress: bool) -> None:
+    """Build the tiny policy from Megatron's initialisation, warm it up and publish it at ``final``."""
+    model = policy.build_policy(arch, dtype=config.model.dtype, padded_vocab_size=arch.padded_vocab_size(
+        mcore.stage_info().tp_size), per_token_loss=True, options=build_options(config))
+    ddp = mcore.wrap_ddp(model)
+    optimizer = mcore.build_optimizer(ddp, lr=config.warmup.lr, weight_decay=0.0, clip_grad=1.0)
+    schedule = WarmupSchedule(steps=config.warmup.steps, sequences_per_step=config.warmup.sequences_per_step,
+                              micro_batch_size=config.warmup.micro_batch_size, lr=config.warmup.lr,
+                              seed=config.trainer.seed)
+    corpus = tiny_default.warmup_sequences(tokenizer, config.warmup.corpus_size,
+                                           config.warmup.other_answer_format_share, tiny_default.TaskShape.of(config),
+                                           check_share=config.warmup.check_share,
+                                           max_solution_tokens=config.rollout.max_response_tokens)
+    progress = None
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        from megatron_tlt.rank_logs import console
+
+        # leave=False: once the warm-up is done the RL steps' bar is the console's only one
+        progress = tqdm(total=schedule.steps, desc="supervised warm-up (cached for later runs)", unit="step",
+                        dynamic_ncols=True, file=console(), leave=False)
+
+    def on_step(step: int, loss: float | None) -> None:
+        if progress is not None:
+            progress.update(1)
+            if loss is not None:
+                progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    run_warmup(ddp, optimizer, corpus, schedule, vocab_size=arch.vocab_size, pad_id=tokenizer.pad_id,
+               dp_rank=mcore.data_parallel_rank(), dp_size=mcore.data_parallel_size(), on_step=on_step)
+    if progress is not None:
+        progress.close()
+    # Same staging name on every rank (the save is collective), unique to this cache entry.
+    staging = atomic_files.staging_path(final)
+    if dist.get_rank() == 0:
+        atomic_files.remove(staging)
+    dist.barrier()
+    policy.save_policy_checkpoint(ddp, staging, policy_source.checkpoint_meta(arch, config.model.dtype))
+    # Kept so RL can continue this optimizer (see RLTrainer): its second moments scale RL's first steps.
+    checkpoint.save_optimizer_state(staging, optimizer, mcore.data_parallel_rank())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        atomic_files.publish(staging, final, if_exists="keep")  # another process made it first: keep theirs
+    dist.barrier()

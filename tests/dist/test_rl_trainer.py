@@ -586,8 +586,9 @@ def _serve_exported_policy_with_drafter(hf_dir: str, drafter_dir: str, cache_dir
     from vllm.inputs import TokensPrompt
 
     from megatron_tlt.rl import tiny_default
+    from megatron_tlt.rl.artifact_cache import cache_root
 
-    tokenizer = tiny_default.load_task_tokenizer(tiny_default.cache_root())
+    tokenizer = tiny_default.load_task_tokenizer(cache_root())
     prompts = [e.prompt_ids for e in tiny_default.rl_prompts(tokenizer, 16).examples]
     llm = LLM(model=hf_dir, dtype="float32", enforce_eager=True, max_model_len=256,
               disable_log_stats=False,

@@ -28,22 +28,24 @@ def _layer(module: str) -> str:
     return "cli" if module == "megatron_tlt.cli" else "shared"
 
 
+def _package_imports(path: Path, modules) -> set[str]:
+    """The package modules ``path`` imports (anywhere in its body)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megatron_tlt"):
+            targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names if a.name.startswith("megatron_tlt")]
+        else:
+            continue
+        found.update(t for t in targets if t in modules)
+    return found
+
+
 def _imports() -> dict[str, set[str]]:
     """Every module of the package and the package modules it imports (anywhere in its body)."""
     modules = {_module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megatron_tlt"):
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names if a.name.startswith("megatron_tlt")]
-            else:
-                continue
-            found.update(t for t in targets if t in modules and t != name)
-        graph[name] = found
-    return graph
+    return {name: _package_imports(path, modules) - {name} for name, path in modules.items()}
 
 
 def test_no_module_imports_from_a_higher_layer():
@@ -72,6 +74,22 @@ def test_no_import_cycles():
         if module not in state:
             visit(module, [module])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+# The tiny default's own modules, and the one task source that serves them (rl/tiny_source.py).
+TINY_DEFAULT_MODULES = {f"megatron_tlt.rl.{m}" for m in ("tiny_default", "synthetic_task", "shipped_start", "warmup")}
+TINY_DEFAULT_IMPORTERS = TINY_DEFAULT_MODULES | {"megatron_tlt.rl.tiny_source", "checkpoints_tools.ship_tiny_default"}
+
+
+def test_only_the_tiny_default_imports_its_modules():
+    """A run's task comes through its task source (rl/task.py): nothing else reaches the tiny default."""
+    graph = _imports()
+    for path in (PACKAGE_DIR.parent / "checkpoints_tools").glob("*.py"):
+        graph[f"checkpoints_tools.{path.stem}"] = _package_imports(path, graph)
+    assert TINY_DEFAULT_MODULES <= graph.keys()
+    stray = [f"{module} imports {target}" for module, targets in sorted(graph.items())
+             for target in sorted(targets & TINY_DEFAULT_MODULES) if module not in TINY_DEFAULT_IMPORTERS]
+    assert not stray, "the tiny default's modules imported from outside it:\n" + "\n".join(stray)
 
 
 def test_the_layers_are_what_the_readme_says():

@@ -51,7 +51,7 @@ def test_the_tiny_default_starts_from_the_shipped_policy_and_drafter(tmp_path):
     from megatron_tlt.commands.start import cold_start_drafter
     from megatron_tlt.config import load_config
     from megatron_tlt.rl import tiny_default
-    from megatron_tlt.rl.policy_source import warmed_up_dir
+    from megatron_tlt.rl.tiny_source import warmed_up_dir
 
     shipped = set(shipped_start.read_manifest()["entries"])
     config = load_config("tiny", [f"warmup.cache_dir={tmp_path}"])

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_tlt.config import load_config
 from megatron_tlt.rl import synthetic_task, tiny_default
-from megatron_tlt.rl.policy_source import warmed_up_dir
+from megatron_tlt.rl.tiny_source import warmed_up_dir
 from megatron_tlt.tokenizer import load_tokenizer
 
 DEEP = ["model.tiny.num_layers=16", "model.tiny.hidden_size=64", "model.tiny.num_attention_heads=2",
