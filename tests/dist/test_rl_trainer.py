@@ -350,7 +350,8 @@ def hf_run(env, tmp_path_factory):
     reward_log.mkdir()
     result = _train(dict(env, TLT_TEST_REWARD_LOG=str(reward_log)), f"model.hf_dir={hf_dir}", f"data.path={data}",
                     "parallel.data_parallel_size=1", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4",
-                    "rollout.max_response_tokens=16", "optimizer.lr=1e-3", "trainer.eval_every=0",
+                    "rollout.max_response_tokens=16", "optimizer.lr=1e-3", "optimizer.lr_warmup_steps=5",
+                    "trainer.eval_every=0",
                     "data.reward=group_rewards:every_other_group_equal", "trainer.steps=2", "trainer.save_every=1",
                     "algorithm.kl_coef=0.05", "trainer.updates_per_step=2", "algorithm.filter_equal_reward_groups=true",
                     "algorithm.advantage=rloo", "trainer.micro_batch_size=4", *TLT_OFF, f"trainer.run_dir={run_dir}")
