@@ -196,8 +196,11 @@ def _register_in_process_transfer() -> None:
 
         @staticmethod
         def trainer_send_weights(*args, **kwargs) -> None:
-            # abstract in vLLM 0.26-0.27 (gone from 0.28): the trainer's half of a transport; in-process, none
-            raise NotImplementedError("the in-process transfer has no sender: the trainer shares the engine's process")
+            # Abstract in vLLM 0.26-0.27 (gone from 0.28): the sending half of a transport whose trainer runs in
+            # another process. Here the trainer shares the engine's process and hands tensors to update_weights,
+            # so nothing sends: a call is a misuse, refused as one.
+            raise EngineError("the in-process weight transfer has no sending side: load_drafter hands the "
+                              "tensors over in this process")
 
         def start_weight_update(self) -> None:
             initialize_layerwise_reload(self.model)
