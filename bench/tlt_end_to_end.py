@@ -31,6 +31,7 @@ import contextlib
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -39,8 +40,12 @@ PHASES = ("rollout_seconds", "logprob_seconds", "update_seconds", "sync_seconds"
 
 
 def _run(run_dir: Path, overrides: list[str]) -> list[dict]:
-    subprocess.run(["tlt", "train", "--config", CONFIG, f"trainer.run_dir={run_dir}", *overrides], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    output = run_dir.with_name(run_dir.name + ".out")  # what tlt train printed: kept, as a failure's only trace
+    with open(output, "w") as out:
+        done = subprocess.run([sys.executable, "-m", "megatron_tlt.cli", "train", "--config", CONFIG,
+                               f"trainer.run_dir={run_dir}", *overrides], stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"tlt train exited {done.returncode} ({output}):\n" + output.read_text()[-3000:])
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -107,6 +112,7 @@ def main() -> None:
     runs: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
     with contextlib.ExitStack() as stack:
         root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        root.mkdir(parents=True, exist_ok=True)
         for repeat in range(args.repeats):
             # Every repeat draws other samples, the same in every arm where a seed fixes them: TLT off's draws
             # are fixed by the seed, TLT on's are not (the engine's RNG), so one seed for all repeats would

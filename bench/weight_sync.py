@@ -47,10 +47,15 @@ def _bench_on_rank(args: argparse.Namespace, workdir: str) -> dict:
         tensors = list(weight_sync.iter_hf_tensors(model, arch, padded_vocab_size=padded))
         destinations = [torch.empty_like(t) for _, t in tensors]
         copies = []
+        on_gpu = tensors[0][1].is_cuda  # a device-to-device copy there: time it finished, not queued
         for _ in range(args.repeats):
+            if on_gpu:
+                torch.cuda.synchronize()
             started = time.perf_counter()
             for dst, (_, src) in zip(destinations, tensors):
                 dst.copy_(src)
+            if on_gpu:
+                torch.cuda.synchronize()
             copies.append(time.perf_counter() - started)
     best = min(syncs, key=lambda s: s.seconds)
     return {"bytes": best.num_bytes, "sync_s": best.seconds, "copy_s": min(copies), "buckets": best.num_buckets}

@@ -151,5 +151,7 @@ def sync_policy_to_engine(model: torch.nn.Module, arch: PolicyArchitecture, engi
 
     started = time.perf_counter()
     engine.load_weights(counted())
+    if torch.cuda.is_available():  # the engine's copies into its weights are asynchronous: time them landed
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     return SyncStats(num_bytes=moved["bytes"], seconds=seconds, num_buckets=len(buckets), kept=kept)
