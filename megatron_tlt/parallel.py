@@ -23,6 +23,16 @@ class LayoutError(ValueError):
     """A parallel layout that does not fit the world it is launched into."""
 
 
+def bind_local_gpu() -> None:
+    """This rank takes the GPU of its local index. NCCL needs one GPU a rank, so more ranks on a node than it has
+    GPUs are refused here, in words, rather than by CUDA's "invalid device ordinal" or NCCL's duplicate-GPU check."""
+    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= gpus:
+        raise LayoutError(f"local rank {local_rank} has no GPU of its own: this node has {gpus}; launch at most "
+                          f"{gpus} rank(s) a node (parallel.data_parallel_size x tensor x pipeline parallel sizes)")
+    torch.cuda.set_device(local_rank)
+
+
 @dataclasses.dataclass(kw_only=True)
 class ParallelLayout:
     """Tensor x pipeline x data parallel sizes of one run; world = tp * pp * dp."""
@@ -53,7 +63,7 @@ class ParallelLayout:
         cpu_compat.enable()
         if not dist.is_initialized():
             if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                bind_local_gpu()
             # On GPU the default group also gets gloo for CPU tensors: the RL loop's small counters,
             # object gathers and the spot trainer's barrier stay off the GPU; model tensors use NCCL.
             backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"

@@ -91,3 +91,14 @@ def test_layout_that_does_not_fit_the_world_is_refused_and_cleaned_up():
     with pytest.raises(LayoutError, match="world size 1 is not a multiple of tensor_parallel_size 2"):
         ParallelLayout(tensor_parallel_size=2).initialize()
     assert not dist.is_initialized()
+
+
+def test_more_ranks_on_a_node_than_it_has_gpus_are_refused_in_words(monkeypatch):
+    import torch
+
+    from megatron_tlt.parallel import LayoutError, bind_local_gpu
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(LayoutError, match="local rank 1 has no GPU of its own: this node has 1; launch at most 1"):
+        bind_local_gpu()
