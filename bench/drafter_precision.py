@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from megatron_tlt.config import DrafterConfig
 from megatron_tlt.drafter.precision import FP8_BACKENDS, DrafterPrecision, fp8_backend_unavailable_reason
@@ -29,6 +30,7 @@ from megatron_tlt.model_config import architecture_from_dict, load_architecture
 from megatron_tlt.tiny_models import TINY_LLAMA
 
 LLAMA_70B_DIR = Path(__file__).resolve().parents[1] / "launch" / "models" / "llama-3.3-70b"
+HF_CONFIG = Path(__file__).resolve().parents[1] / "launch" / "configs" / "hf.yaml"
 _INIT_STD = 0.02
 
 
@@ -86,6 +88,12 @@ def run_arm(arch, settings, precision: DrafterPrecision, data, *, warmup: int, s
     return figures, exported
 
 
+def pretrained_drafter_lr() -> float:
+    """The drafter lr of the config for pretrained models: at 70B dims the default's 1e-3 diverged on an H200
+    (the loss rose from 11.6 to 917 in 35 micro-steps, bench/RESULTS.md), so the arms are compared at that one."""
+    return float(OmegaConf.load(HF_CONFIG).drafter.lr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -95,9 +103,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30, help="timed micro-steps per arm")
     parser.add_argument("--unroll-steps", type=int, default=1, help="drafter.unroll_steps")
-    parser.add_argument("--lr", type=float, default=DrafterConfig.lr, help="drafter.lr (default: its default)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="drafter.lr (default: launch/configs/hf.yaml's at 70B dims, DrafterConfig's with --small)")
     parser.add_argument("--out", default=None, help="also write the figures here as JSON")
     args = parser.parse_args()
+    if args.lr is None:
+        args.lr = DrafterConfig.lr if args.small else pretrained_drafter_lr()
 
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
