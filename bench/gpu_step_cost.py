@@ -4,7 +4,7 @@
     python bench/gpu_step_cost.py --out costs.json --batches 1,8,64 --depths 0,4,8
     python bench/depth_headroom.py --trace trace.json --step-costs costs.json   # price a traced rollout with them
 
-The machine lent to this project has a GPU but no vLLM (tlt bench rollout cannot run there), and on this
+These kernels need no vLLM, so they time a step where `tlt bench rollout` cannot run, and on this
 project's CPU a draft costs about as much of a step at every batch size, so the best speculation depth does not
 move with the batch (bench/RESULTS.md). Whether it moves on a GPU depends on what a step costs there: this times
 the work of a step of a speculating engine at batch B and depth K, with random bf16 weights of the given shapes
