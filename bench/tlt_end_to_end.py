@@ -1,10 +1,14 @@
 """End to end: the tiny default with TLT fully on (spot trainer + adaptive speculation) vs TLT off, and
-beside them the skeptic's baseline: the same speculation with the drafter frozen after its cold start.
+beside them the peers' ways of keeping a drafter, with the same speculation:
+  * frozen ("pre-RL only"): the drafter of the cold start, never updated (the skeptic's baseline);
+  * serial (co-training as NeMo-RL and vime schedule it): after each update the drafter trains on the same
+    step's features, on the critical path (``drafter.schedule=serial``), as many rows per rank and step as
+    the latest TLT-on run trained in the idle time, so that the two differ only in when they train.
 
     python bench/tlt_end_to_end.py                       # 40 steps each, the tiny default
     python bench/tlt_end_to_end.py --steps 20 -- rollout.max_response_tokens=256
-    python bench/tlt_end_to_end.py --no-frozen           # only TLT off and TLT on
-    python bench/tlt_end_to_end.py --steps 10 --repeats 2 # off, on, frozen, frozen, on, off: drift cancels
+    python bench/tlt_end_to_end.py --no-frozen --no-serial   # only TLT off and TLT on
+    python bench/tlt_end_to_end.py --steps 40 --repeats 2 # off, on, frozen, serial, then reversed: drift cancels
     python bench/tlt_end_to_end.py --no-frozen --variant goodput speculation.policy=goodput   # another TLT-on arm
 
 Both runs use the same seeds and the same number of steps; each repeat draws other samples
@@ -75,6 +79,9 @@ def main() -> None:
     parser.add_argument("--drafter", default=None, help="initial drafter directory (default: the cached warm-up)")
     parser.add_argument("--no-frozen", dest="frozen", action="store_false",
                         help="skip the frozen-drafter run (speculation with the cold-start drafter, no spot training)")
+    parser.add_argument("--no-serial", dest="serial", action="store_false",
+                        help="skip the serial co-training run (the peers' schedule: the drafter trains after the "
+                             "update, on the critical path, as many rows a step as TLT on trained in the idle time)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per arm, in ABBA order (off, on, frozen, frozen, on, off, ...)")
     parser.add_argument("--keep", type=Path, default=None,
@@ -88,8 +95,8 @@ def main() -> None:
     if args.repeats < 1 or args.steps < 2:
         parser.error("--repeats must be >= 1 and --steps >= 2 (step 1 is left out of the times)")
     variants = {name: extra for name, *extra in args.variant}
-    if len(variants) != len(args.variant) or {"off", "on", "frozen"} & set(variants):
-        parser.error("--variant names must be distinct and none of off, on, frozen")
+    if len(variants) != len(args.variant) or {"off", "on", "frozen", "serial"} & set(variants):
+        parser.error("--variant names must be distinct and none of off, on, frozen, serial")
     if args.depth is None:  # the default's own depth, so that the bench measures what `tlt train` runs
         from megatron_tlt.config import load_config
 
@@ -108,6 +115,8 @@ def main() -> None:
     arms = {"off": common + tlt_off, "on": common + tlt_on}
     if args.frozen:
         arms["frozen"] = common + tlt_on + ["drafter.spot_training=false"]
+    if args.serial:  # its rows per step are TLT on's of the latest run, known only then (_serial_tokens)
+        arms["serial"] = common + tlt_on + ["drafter.schedule=serial"]
     arms |= {name: common + tlt_on + extra for name, extra in variants.items()}
     runs: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
     with contextlib.ExitStack() as stack:
@@ -118,8 +127,9 @@ def main() -> None:
             # are fixed by the seed, TLT on's are not (the engine's RNG), so one seed for all repeats would
             # compare TLT on's average over draws with a single draw of TLT off.
             draws = [f"rollout.sampling_seed={repeat}"]
-            for arm in (list(arms) if repeat % 2 == 0 else list(arms)[::-1]):
-                runs[arm].append(_run(root / f"{arm}-{repeat + 1}", arms[arm] + draws))
+            for arm in (list(arms) if repeat % 2 == 0 else list(arms)[::-1]):  # "on" runs before "serial" first
+                extra = [f"drafter.serial_tokens={_serial_tokens(runs['on'][-1])}"] if arm == "serial" else []
+                runs[arm].append(_run(root / f"{arm}-{repeat + 1}", arms[arm] + draws + extra))
     def seconds(arm: str, key: str, repeat: int | None = None) -> float:
         return _seconds(runs, arm, key, repeat)
 
@@ -161,6 +171,7 @@ def main() -> None:
         _print_frozen_baseline(runs, half)
     for name in variants:
         _print_variant(runs, name)
+    _print_arms(runs, half)
     print(f"end-to-end step time, TLT off / on over steps 2-{args.steps}: {total:.3f}x")
 
 
@@ -177,6 +188,47 @@ def _print_frozen_baseline(runs: dict[str, list[list[dict]]], half: int) -> None
     print(f"  step time TLT off / frozen drafter: "
           f"{_seconds(runs, 'off', 'step_seconds') / _seconds(runs, 'frozen', 'step_seconds'):.3f}x; rollout "
           f"{_seconds(runs, 'off', 'rollout_seconds') / _seconds(runs, 'frozen', 'rollout_seconds'):.3f}x")
+
+
+def _serial_tokens(tlt_on: list[dict]) -> int:
+    """Drafter rows per rank per step that a TLT-on run trained in the idle time (steps 2..): the serial arm's
+    budget, so that both train the drafter on as many rows and differ only in when."""
+    per_rank = [t for r in tlt_on[1:] for t in r.get("drafter/tokens_trained", [])]
+    return max(1, round(statistics.fmean(per_rank))) if per_rank else 1
+
+
+def _acceptance(records: list[dict], start: int, end: int) -> float:
+    values = [r["spec/mean_acceptance_length"] for r in records[start:end] if "spec/mean_acceptance_length" in r]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def _print_arms(runs: dict[str, list[list[dict]]], half: int) -> None:
+    """Every arm against TLT off side by side: step and rollout time ratios (per repeat, mean and SE),
+    acceptance length, drafter rows trained a step, and reward; then acceptance over the run, per arm."""
+    def per_repeat(base: str, arm: str, key: str) -> str:
+        ratios = [_seconds(runs, base, key, i) / _seconds(runs, arm, key, i) for i in range(len(runs[arm]))]
+        se = f" SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f}" if len(ratios) > 1 else ""
+        return f"{statistics.fmean(ratios):.3f}x{se}"
+
+    steps = len(runs["off"][0])
+    print(f"  per arm, steps 2-{steps}, every repeat (ratios: TLT off's time / the arm's, mean over repeats):")
+    print(f"  {'arm':8s} {'step':>18s} {'rollout':>18s} {'acceptance':>10s} {'rows/step':>10s} {'reward, 2nd half':>17s}")
+    for arm, repeats in runs.items():
+        rows = [sum(r.get("drafter/tokens_trained", [0])) for records in repeats for r in records[1:]]
+        reward = statistics.fmean(_window_mean(records, "reward_mean", half, steps) for records in repeats)
+        accept = statistics.fmean(_acceptance(records, 1, steps) for records in repeats)
+        print(f"  {arm:8s} {per_repeat('off', arm, 'step_seconds'):>18s} {per_repeat('off', arm, 'rollout_seconds'):>18s}"
+              f" {accept:10.2f} {statistics.fmean(rows):10.0f} {reward:17.3f}")
+    if "serial" in runs:
+        print(f"  step time serial co-training / TLT on: {per_repeat('serial', 'on', 'step_seconds')}; rollout "
+              f"{per_repeat('serial', 'on', 'rollout_seconds')}")
+    speculating = [arm for arm in runs if arm != "off"]
+    chunk = max(1, steps // 8)
+    print("  acceptance length by steps, mean over repeats: " + ", ".join(speculating))
+    for start in range(0, steps, chunk):
+        end = min(start + chunk, steps)
+        print(f"  {start + 1:3d}-{end:<3d} " + "  ".join(
+            f"{statistics.fmean(_acceptance(records, start, end) for records in runs[arm]):6.2f}" for arm in speculating))
 
 
 def _print_variant(runs: dict[str, list[list[dict]]], name: str) -> None:

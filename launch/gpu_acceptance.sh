@@ -58,11 +58,12 @@ if [ "$phase" != kernels ]; then
         tests/gpu/test_vllm_on_cuda.py tests/gpu/test_tlt_train_on_cuda.py
     part weight_sync 90 python3 bench/weight_sync.py --hidden 4096 --layers 8 --repeats 3
     rm -rf /tmp/tlt-e2e
-    # One rank on one GPU (NCCL takes one GPU a rank). The cold-start drafter's cache key holds the parallel
-    # layout, so the shipped one (made at two ranks, of the same initial policy) is named rather than remade.
+    # One rank on one GPU (NCCL takes one GPU a rank), so no rank is ever idle: TLT on is speculation with a
+    # drafter that does not train there. The cold-start drafter's cache key holds the parallel layout, so the
+    # shipped one (made at two ranks, of the same initial policy) is named rather than remade.
     shipped_drafter=$(ls -d megatron_tlt/rl/shipped/drafter-*)
-    part tlt_end_to_end "${E2E_SECONDS:-300}" python3 bench/tlt_end_to_end.py --steps "${E2E_STEPS:-8}" --no-frozen \
-        --drafter "$shipped_drafter" --keep /tmp/tlt-e2e -- parallel.data_parallel_size=1
+    part tlt_end_to_end "${E2E_SECONDS:-300}" python3 bench/tlt_end_to_end.py --steps "${E2E_STEPS:-8}" \
+        --no-frozen --no-serial --drafter "$shipped_drafter" --keep /tmp/tlt-e2e -- parallel.data_parallel_size=1
     for log in /tmp/tlt-e2e/*/logs/rank0.log; do  # what each run said: held-out accuracy, TLT lines, errors
         [ -f "$log" ] && { echo "== $log"; grep -E "held-out|TLT:|ERROR|Error|step [0-9]+ " "$log" | tail -n 30; }
     done >"$out/tlt_end_to_end_runs.log"

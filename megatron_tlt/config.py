@@ -375,6 +375,15 @@ class DrafterConfig:
     spot_training_steps: str = "all"
     """Steps the spot trainer works in: all, or only the even / odd ones (for the crossover benchmark
     ``bench/spot_overhead.py``, which compares steps with and without it inside each run)."""
+    schedule: str = "idle"
+    """When the drafter trains, with ``spot_training`` on: ``idle`` (TLT: on ranks whose rollout share is done,
+    until the slowest rank is done, preempted then) or ``serial`` (the peers' co-training, as NeMo-RL and vime
+    schedule it: after the update, on the critical path, ``serial_tokens`` rows per rank each step; the
+    baseline arm of bench/tlt_end_to_end.py)."""
+    serial_tokens: int = 0
+    """Drafter training rows per rank per step with ``schedule: serial``, on average over the run: micro-steps
+    train whole packs (up to ``pack_tokens`` rows), so a step trains until the rows owed so far are trained, or
+    the buffer gives none."""
     spot_duty_cycle: float | None = None
     """Fraction of a rank's idle time the spot trainer may train: after a micro-step of t seconds it rests
     t * (1 - d) / d. Default: 1.0 on GPU, where each rank trains on its own device; 0.25 on CPU, where the
@@ -412,6 +421,12 @@ class DrafterConfig:
             raise ConfigError(f"drafter.lr and drafter.spot_lr must be > 0, got {self.lr}, {self.spot_lr}")
         if self.spot_duty_cycle is not None and not 0.0 < self.spot_duty_cycle <= 1.0:
             raise ConfigError(f"drafter.spot_duty_cycle must be in (0, 1], got {self.spot_duty_cycle}")
+        if self.schedule not in ("idle", "serial"):
+            raise ConfigError(f"drafter.schedule must be idle or serial, got '{self.schedule}'")
+        if self.schedule == "serial" and not (self.spot_training and self.serial_tokens >= 1):
+            raise ConfigError("drafter.schedule=serial trains the drafter after the update: it needs "
+                              f"drafter.spot_training=true and drafter.serial_tokens >= 1, got spot_training="
+                              f"{str(self.spot_training).lower()}, serial_tokens={self.serial_tokens}")
         if self.spot_training_steps not in ("all", "even", "odd"):
             raise ConfigError(f"drafter.spot_training_steps must be all, even or odd, got "
                               f"'{self.spot_training_steps}'")

@@ -49,8 +49,9 @@ class SpotReport:
     training_seconds: float = 0.0
     idle_seconds: float = 0.0
     """Idle time not spent training (no work, training off, or the device busy)."""
-    released_at: float = 0.0
-    """Wall-clock time the rank left the rollout phase (for the preemption latency)."""
+    released_at: float | None = 0.0
+    """Wall-clock time the rank left the rollout phase (for the preemption latency); None where the drafter
+    trained serially, after the update (``drafter.schedule: serial``)."""
     failed: bool = False
 
 
@@ -121,7 +122,7 @@ class SpotTrainer:
                 time.sleep(POLL_SECONDS)
                 continue
             start = time.time()
-            tokens = self._train_one(barrier.is_completed)
+            tokens = self.train_one(barrier.is_completed)
             end = time.time()
             if tokens > 0:
                 self._close_idle(timeline, report, idle_since, start)
@@ -136,10 +137,16 @@ class SpotTrainer:
         barrier.wait()
         report.released_at = time.time()
         self._close_idle(timeline, report, idle_since, report.released_at)
-        report.failed = not self.enabled and self.micro_step is not None
+        report.failed = self.failed
         return report
 
-    def _train_one(self, should_stop: Callable[[], bool]) -> int:
+    @property
+    def failed(self) -> bool:
+        """Drafter training failed on this rank and is off for the rest of the run."""
+        return not self.enabled and self.micro_step is not None
+
+    def train_one(self, should_stop: Callable[[], bool]) -> int:
+        """One micro-step; its tokens, or 0 (nothing to train, dropped, or failed: logged once, then off)."""
         try:
             return int(self.micro_step(should_stop))
         except Exception:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotReport, SpotTrainer
 from megatron_tlt.drafter.trainer import DrafterTrainer
 from megatron_tlt.model_config import PolicyArchitecture
 from megatron_tlt.spec.engine import SpeculativeSettings
-from megatron_tlt.timeline import BUSY, RankTimeline
+from megatron_tlt.timeline import BUSY, TRAINING, RankTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class TLTDrafter:
         self.trainer = DrafterTrainer(arch, online, seed=config.trainer.seed, precision=precision)
         self.tokens_trained = 0
         """Drafter training tokens over the whole run (kept in its checkpoints)."""
+        self._serial_rows_owed = 0
         self.checkpointer, self.spot = None, None
         self._load(start_step, rank=rank, world=world, is_reporter=is_reporter)
         if d.spot_training:
@@ -118,6 +120,36 @@ class TLTDrafter:
         (``drafter.spot_training_steps``, for benchmarks that compare steps with and without it)."""
         which = self.config.drafter.spot_training_steps
         return self.spot is not None and (which == "all" or (step % 2 == 0) == (which == "even"))
+
+    @property
+    def trains_serially(self) -> bool:
+        """``drafter.schedule: serial``: it trains after the update, on the critical path, not in the tail."""
+        return self.config.drafter.schedule == "serial"
+
+    def train_serially(self, timeline: RankTimeline) -> TailReport:
+        """The peers' schedule: ``drafter.serial_tokens`` rows of training on this step's features while the
+        step waits (in its update phase), then the replicas' mean, as ``wait_for_rollout_end`` ends."""
+        self.trainer.reset_phase_stats()
+        self.checkpointer.wait()  # a checkpoint write still reads the drafter (it is not copied)
+        # Micro-steps train whole packs: rows owed carry over, so the run trains serial_tokens a step on average.
+        self._serial_rows_owed += self.config.drafter.serial_tokens
+        spot = SpotReport(released_at=None)
+        while self.spot.enabled and spot.tokens < self._serial_rows_owed:
+            start = time.time()
+            tokens = self.spot.train_one(lambda: False)  # nothing preempts it: it is the step's own work
+            if tokens == 0:  # an empty buffer (or a failure, logged once): the step goes on without it
+                break
+            end = time.time()
+            timeline.add("update", TRAINING, start, end)
+            spot.micro_steps += 1
+            spot.tokens += tokens
+            spot.training_seconds += end - start
+        self._serial_rows_owed -= spot.tokens
+        spot.failed = self.spot.failed
+        stats = self.trainer.phase_stats()
+        with timeline.phase("sync"):
+            self.tokens_trained += self.trainer.average_replicas()
+        return TailReport(spot=spot, stats=stats, precision=self.trainer.precision.label)
 
     def wait_for_rollout_end(self, timeline: RankTimeline) -> TailReport:
         """Train on this rank's idle time until every rank's share is done, then average the replicas."""
@@ -199,7 +231,9 @@ def summary_fields(reports: list[TailReport | None], timelines: list[RankTimelin
         "drafter/dropped_micro_steps": [s["dropped_steps"] for s in stats],
         "drafter/buffer_tokens": [s["buffer_tokens"] for s in stats],  # every pipeline stage's ranks have features
         # from the slowest rank finishing its share to this rank leaving rollout: the preemption latency
-        "drafter/release_latency_seconds": [r.spot.released_at - slowest_done for r in reports],
+        # (None where it trained serially, after the update: nothing to release then)
+        "drafter/release_latency_seconds": [None if r.spot.released_at is None else r.spot.released_at - slowest_done
+                                            for r in reports],
         "drafter/failed": any(r.spot.failed for r in reports),
     }
 

