@@ -27,6 +27,7 @@ from megatron_tlt.rl.task import engine_config_for, sampling_settings
 from megatron_tlt.rl.task_source import task_source
 from megatron_tlt.rl.weight_sync import SyncStats, sync_policy_to_engine
 from megatron_tlt.spec import kv_budget
+from megatron_tlt.spec.drafter_integrity import DrafterIntegrity, IntegrityReport
 from megatron_tlt.spec.engine import RolloutEngine, SamplingSettings, SpeculativeSettings
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class RankSession:
         self.engine_config = engine_config_for(config, task)
         self.placement = engine_placement(self.engine_config.tensor_parallel_size)
         self.engines: list[RolloutEngine] = []
+        self._integrity: dict[int, DrafterIntegrity] = {}  # by id(engine): speculating engines, when checked
         self.kv_need = kv_budget.rollout_kv_need(
             config, self.engine_config, task.arch, longest_prompt=max(len(e.prompt_ids) for e in task.dataset.examples),
             engines_per_replica=self.placement.engines_per_replica)
@@ -121,25 +123,43 @@ class RankSession:
         engine = RolloutEngine(self.arch, self.engine_config, workdir=workdir, rank=dist.get_rank(), **speculation)
         self.engines.append(engine)
         self._check_kv_capacity(engine)
+        if speculative is not None and self.engine_config.verify_drafter:
+            self._integrity[id(engine)] = integrity = DrafterIntegrity(engine)
+            integrity.verify_push(speculation["drafter"], event="at engine start")  # a resumed run's drafter too
         return engine
 
     def sync(self, engine: RolloutEngine, drafter: EngineDrafter | None = None, *, probe: bool = False) -> SyncStats:
         """Stream the policy into ``engine`` (collective); hand ``drafter`` the policy's heads if it trains,
         and push it into a speculating engine after the reload. With ``probe``, a speculating engine then
         answers ``drafter.probe_prompts`` fixed prompts greedily and raises its alarm if acceptance
-        collapsed (``SyncStats.probe`` and ``alarm``)."""
+        collapsed (``SyncStats.probe`` and ``alarm``). With ``rollout.engine.verify_drafter`` the engine's drafter
+        is checked before the reload (still the last verified push, after a wake) and after the push
+        (``spec/drafter_integrity.py``)."""
+        integrity = self._integrity.get(id(engine))
+        if integrity is not None:  # a sync follows every wake: the engine must still hold the last verified push
+            integrity.verify_still_held(event="since the last verified push (engine sleep/wake)")
         keep = POLICY_HEAD_NAMES if drafter is not None and drafter.wants_policy_heads else frozenset()
         stats = sync_policy_to_engine(self.model, self.arch, engine, padded_vocab_size=self.padded_vocab, keep=keep)
         if keep:  # the drafter trains with the policy's current embedding and LM head
             drafter.set_policy_heads(stats.kept)
         if drafter is not None and engine.speculative is not None:  # the reload must not lose the drafter
-            engine.load_drafter(drafter.export_tensors())
-        prompts = self.probe_prompts if probe and engine.speculative is not None else []
+            tensors = drafter.export_tensors()
+            engine.load_drafter(tensors)
+            if integrity is not None:
+                integrity.verify_push(tensors, event="after the policy sync")
+        # no probe of a drafter that failed its check: the engine does not speculate with it
+        probing = probe and engine.speculative is not None and not engine.speculation_suspended
+        prompts = self.probe_prompts if probing else []
         if prompts:
             alarms = engine.acceptance_alarms
             probed = engine.probe_acceptance(prompts)
             stats = dataclasses.replace(stats, probe=probed, alarm=engine.acceptance_alarms > alarms)
         return stats
+
+    def drafter_integrity_report(self, engine: RolloutEngine) -> IntegrityReport | None:
+        """The drafter checks of ``engine`` since the last report (None where they are off or it does not speculate)."""
+        integrity = self._integrity.get(id(engine))
+        return integrity.drain_report() if integrity is not None else None
 
     @property
     def probe_prompts(self) -> list[tuple[int, ...]]:

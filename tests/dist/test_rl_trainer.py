@@ -299,6 +299,9 @@ def test_a_drafter_pushed_with_wrong_weights_raises_the_acceptance_alarm_in_ever
     assert [r["spec/acceptance_alarms"] for r in records] == [1, 1]  # counted once per engine
     # below the alarm's 5%, not exactly 0: the policy samples token 0 with a small probability
     assert all(r["spec/acceptance_rate"] < 0.05 and "spec/probe_acceptance_rate" not in r for r in records)
+    # the zeros are what the trainer pushed: the drafter arrived intact (checked on both ranks of the engine), it is
+    # only a poor one, so speculation stays on and the alarm, not the integrity check, reports it
+    assert all(r["spec/drafter_integrity_failures"] == r["spec/drafter_integrity_mismatches"] == 0 for r in records)
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     assert [e.value for e in events.Scalars("spec/acceptance_alarms")] == [1.0, 1.0]
@@ -505,6 +508,9 @@ def test_speculative_rollouts_with_beg_mab_report_depths_and_keep_the_bandit_acr
     assert all(1.0 <= r.get("spec/mean_acceptance_length", 1.0) <= 3.0 for r in records)
     assert all(0.0 <= r["spec/probe_acceptance_rate"] <= 1.0 for r in records)  # probed after every sync
     assert all(len(r["drafter/tokens_trained"]) == 2 and not r["drafter/failed"] for r in records)
+    # every hand-over (engine start, each sync and drafter push) found the engine holding the drafter pushed
+    assert all(r["spec/drafter_integrity_failures"] == r["spec/drafter_integrity_mismatches"] == 0
+               and r["spec/speculation_suspended"] == 0 for r in records)
     assert all(r["drafter/tokens_trained"][0] > 0 for r in records[1:])  # it trains while speculation runs with it
     # the path it trains through, in every record and in rank 0's log from the start (drafter.precision=auto)
     assert all(r["drafter/precision"] == "fp32" for r in records)

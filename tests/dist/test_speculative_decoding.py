@@ -56,6 +56,12 @@ def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks:
                 results["alarms_after_good"] = engine.acceptance_alarms
                 results["greedy_after_swaps"] = [r[0] for r in engine.generate(
                     prompts, SamplingSettings(temperature=0.0, max_tokens=24)).token_ids]
+                engine.suspend_speculation()  # vLLM's own scheduler: a speculation table of zeros
+                suspended = engine.generate(prompts, SamplingSettings(temperature=0.0, max_tokens=24))
+                results["suspended"] = ([r[0] for r in suspended.token_ids], suspended.spec.num_drafts)
+                engine.resume_speculation()
+                resumed = engine.generate(prompts, SamplingSettings(temperature=0.0, max_tokens=24))
+                results["resumed"] = ([r[0] for r in resumed.token_ids], resumed.spec.mean_acceptance_length)
                 try:
                     engine.release_memory(level=3)
                 except EngineError as err:
@@ -141,6 +147,13 @@ def test_pushing_a_wrong_drafter_raises_the_alarm_and_the_right_one_recovers(fix
     bad, good = fixed_engine_results["bad_probe"], fixed_engine_results["good_probe"]
     assert bad.acceptance_rate < 0.05 and fixed_engine_results["alarms_after_bad"] == 1
     assert good.mean_acceptance_length > 3.5 and fixed_engine_results["alarms_after_good"] == 1
+
+
+def test_suspended_speculation_drafts_nothing_and_gives_the_same_greedy_output_until_resumed(fixed_engine_results):
+    tokens, drafts = fixed_engine_results["suspended"]
+    assert drafts == 0 and tokens == fixed_engine_results["greedy"]
+    tokens, acceptance_length = fixed_engine_results["resumed"]
+    assert tokens == fixed_engine_results["greedy"] and acceptance_length == pytest.approx(K + 1, abs=0.05)
 
 
 def test_an_engine_that_cannot_start_says_why(fixed_engine_results):

@@ -100,3 +100,16 @@ def test_a_step_whose_drafter_trained_names_its_precision_and_keeps_the_name_out
     assert record["drafter/precision"] == "fp8 (torchao)"
     assert not any(key.startswith("drafter/precision") for key in scalar_metrics(record))
     assert "drafter/precision" not in _record(_report(0), _report(1))  # no drafter trained: no drafter fields
+
+
+def test_drafter_integrity_fields_count_each_engines_checks_of_the_step_and_time_the_slowest():
+    from megatron_tlt.spec.drafter_integrity import IntegrityReport
+
+    broken = IntegrityReport(checks=3, mismatches=2, failures=1, seconds=0.004, speculation_suspended=True)
+    fine = IntegrityReport(checks=2, seconds=0.002)
+    # rank 1 follows rank 0's engine and reports none
+    record = _record(dataclasses.replace(_report(0), integrity=broken), _report(1),
+                     dataclasses.replace(_report(2), integrity=fine))
+    assert (record["spec/drafter_integrity_failures"], record["spec/drafter_integrity_mismatches"],
+            record["spec/drafter_integrity_seconds"], record["spec/speculation_suspended"]) == (1, 2, 0.004, 1)
+    assert not any(key.startswith("spec/drafter_integrity") for key in _record(_report(0)))  # checks off
