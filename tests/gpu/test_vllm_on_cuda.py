@@ -1,8 +1,8 @@
 """The rollout engine on GPU vLLM: after a weight sync its greedy output with EAGLE on equals Megatron's;
 speculative sampling at temperature 1 keeps the target's distribution; a drafter pushed through vLLM's
-draft-weight API is accepted, and its acceptance is what it was before after each hand-over peers lost
-drafters to: a policy sync, sleep level 1 and wake, sleep level 2 and wake (vLLM #52487, #55013; NeMo-RL
-#2646), and another push.
+draft-weight API is accepted and read back intact (the integrity check), and its acceptance is what it was
+before after each hand-over peers lost drafters to: a policy sync, sleep level 1 and wake, sleep level 2 and
+wake (vLLM #52487, #55013; NeMo-RL #2646), and another push.
 
 Each scenario runs in its own process: vLLM keeps process-global state, and its sleep mode allows one
 engine per process.
@@ -57,6 +57,7 @@ def test_vllm_greedy_with_eagle_equals_megatron_greedy_after_a_weight_sync(rollo
 def _fixture_engine_on_rank(workdir: str, sampled_prompt: list[int], num_samples: int) -> dict:
     from megatron_tlt.model_config import architecture_from_dict
     from megatron_tlt.parallel import ParallelLayout
+    from megatron_tlt.spec.drafter_integrity import checksum_mismatches, expected_checksums
     from megatron_tlt.spec.engine import (EngineError, RolloutEngine, RolloutEngineConfig, SamplingSettings,
                                           SpeculativeSettings)
     from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
@@ -74,6 +75,9 @@ def _fixture_engine_on_rank(workdir: str, sampled_prompt: list[int], num_samples
             results["bad_probe"] = engine.probe_acceptance(PROBE_PROMPTS)
             engine.load_drafter(fixture["good_drafter"])
             results["good_probe"] = engine.probe_acceptance(PROBE_PROMPTS)
+            # GPU vLLM keeps the drafter's parameters as they are: the integrity check reads them back directly
+            held = engine.drafter_checksums()
+            results["readback_problems"] = checksum_mismatches(expected_checksums(fixture["good_drafter"], held), held)
             sampled = engine.generate([sampled_prompt], SamplingSettings(n=num_samples, temperature=1.0, max_tokens=4))
             results["samples"] = np.array(sampled.token_ids[0])
             results["greedy_before_sleep"] = [r[0] for r in engine.generate(PROBE_PROMPTS, greedy).token_ids]
@@ -110,6 +114,10 @@ def fixture_engine(tmp_path_factory, lossless_sampling):
 def test_a_drafter_pushed_through_the_draft_weight_api_is_accepted_at_every_position(fixture_engine):
     assert fixture_engine["bad_probe"].acceptance_rate < 0.05  # the drafter the engine started with
     assert fixture_engine["good_probe"].mean_acceptance_length > K + 0.5
+
+
+def test_the_drafter_read_back_from_the_gpu_engine_is_the_one_pushed(fixture_engine):
+    assert fixture_engine["readback_problems"] == []
 
 
 def test_sampling_with_speculation_on_cuda_keeps_the_targets_distribution(fixture_engine, lossless_sampling):
