@@ -446,7 +446,8 @@ class DrafterConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class SpeculationConfig:
-    """BEG-MAB: each rollout engine picks the speculation depth of every step from its live batch size.
+    """BEG-MAB: each rollout engine picks the speculation depth of every step from its live batch size (and, with
+    context_bucket_bounds, its context length).
 
     The bandit (``spec/bandit.py``) takes this section as its settings; its own values are checked here,
     whether BEG-MAB is on or not, and the deepest arm against the engine's depth by ``arms``."""
@@ -459,6 +460,12 @@ class SpeculationConfig:
     fitted step-cost model; the epsilon, window and min_observations below serve it too)."""
     bucket_bounds: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 5, 21, 32])
     """Inclusive upper batch-size bounds of the buckets (TLT's: 1, 2, 3-5, 6-21, 22-32, then 33+)."""
+    context_bucket_bounds: list[int] = dataclasses.field(default_factory=list)
+    """Inclusive upper context lengths, in tokens, that split each batch-size bucket of BEG-MAB further: a reward
+    window per (batch-size bucket, context bucket) and depth. A step's context length is the mean over its live
+    requests of their tokens so far (prompt + generated), as the scheduler sees them. Acceptance falls as contexts
+    grow, and the rollout's long tail is few requests with long contexts. [] (the default): one context bucket,
+    BEG-MAB as before. The goodput model ignores it (it reads each request's own acceptance)."""
     depths: list[int] | None = None
     """The arms (depths K, 0 = off); default 0..drafter.speculative_tokens."""
     epsilon: float = 0.1
@@ -527,6 +534,7 @@ class SpeculationConfig:
                                   f"{tuple(self.depths)} (the depth of batches above it).")
 
     def _check_buckets(self) -> None:
+        self._check_context_buckets()
         bounds = tuple(self.bucket_bounds)
         if not bounds:
             raise ConfigError("speculation.bucket_bounds is empty; give at least one upper batch-size bound.")
@@ -537,6 +545,18 @@ class SpeculationConfig:
             if hi <= lo:
                 raise ConfigError(f"speculation.bucket_bounds must be strictly increasing, got {lo} then {hi} in "
                                   f"{bounds}; the buckets would overlap.")
+
+    def _check_context_buckets(self) -> None:
+        bounds = tuple(self.context_bucket_bounds)
+        # bool is an int to Python, but `true` in a YAML list is a typo, not a token count
+        wrong = [b for b in bounds if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+        if wrong:
+            raise ConfigError(f"speculation.context_bucket_bounds must be whole token counts >= 1, got {wrong[0]!r} "
+                              f"in {list(bounds)}.")
+        for lo, hi in zip(bounds, bounds[1:]):
+            if hi <= lo:
+                raise ConfigError(f"speculation.context_bucket_bounds must be strictly increasing, got {lo} then {hi} "
+                                  f"in {list(bounds)}; the context buckets would overlap.")
 
     def _check_depths(self) -> None:
         if self.depths is None:  # 0..max_depth: distinct and >= 0 by construction

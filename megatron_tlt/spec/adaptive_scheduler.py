@@ -21,6 +21,10 @@ Reward = tokens the step produced (accepted drafts + one per sequence) / the ste
 accepted tokens x batch size / step time. The step's time runs from its ``schedule`` to the next one, so
 it holds all the engine does per step (model, drafter, sampling, output processing); the last step of
 a ``generate`` call has no next one in that call and is not credited.
+
+A step's context length (BEG-MAB's ``speculation.context_bucket_bounds``) is the mean over its live requests of
+their tokens so far, prompt and generated (vLLM's ``Request.num_tokens``, without the drafts in flight): the mean,
+because the step's reward sums every request's accepted drafts. The step is credited to the cell it was chosen in.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class _StepInFlight:
     batch_size: int
     depth: int
     decode_only: bool
+    context_tokens: float
 
 
 class AdaptiveSpeculationScheduler(Scheduler):
@@ -88,7 +93,8 @@ class AdaptiveSpeculationScheduler(Scheduler):
         self._in_flight: _StepInFlight | None = None
         self._previous_depth: int | None = None  # of the drafts the next step verifies
         self._held_depth: int | None = None  # a new depth runs a second step, to be measured cleanly
-        self._unclocked: tuple | None = None  # (batch, depth, tokens, start, accepted per request) of a clean step
+        # (batch, depth, tokens, start, accepted per request, context length) of a clean step
+        self._unclocked: tuple | None = None
         self.clock = time.perf_counter
         """What times a step; a test gives a step counter instead, so that every reward is exact."""
 
@@ -121,40 +127,43 @@ class AdaptiveSpeculationScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         started = self.clock()
         if self._unclocked is not None:  # the previous step ends here: credit it
-            batch_size, depth, tokens, step_started, accepted = self._unclocked
+            batch_size, depth, tokens, step_started, accepted, context_tokens = self._unclocked
             self._unclocked = None
-            self.bandit.observe_step(batch_size, depth, tokens, started - step_started, accepted)
+            self.bandit.observe_step(batch_size, depth, tokens, started - step_started, accepted,
+                                     context_tokens=context_tokens)
         output = super().schedule(*args, **kwargs)
         batch_size = len(output.num_scheduled_tokens)
         if batch_size == 0:
             return output
         live = list(output.num_scheduled_tokens)
         self.bandit.forget_requests_except(live)
-        output.num_spec_tokens_to_schedule = depth = self._depth_for(batch_size, live)
+        context_tokens = sum(self.requests[r].num_tokens for r in live) / batch_size
+        output.num_spec_tokens_to_schedule = depth = self._depth_for(batch_size, live, context_tokens)
         spec = output.scheduled_spec_decode_tokens
         decode_only = not output.scheduled_new_reqs and all(
             tokens == 1 + len(spec.get(req_id, ())) for req_id, tokens in output.num_scheduled_tokens.items())
-        self._in_flight = _StepInFlight(started, batch_size, depth, decode_only)
+        self._in_flight = _StepInFlight(started, batch_size, depth, decode_only, context_tokens)
         self.step_log.append((batch_size, depth))
         return output
 
-    def _depth_for(self, batch_size: int, live: list[str]) -> int:
+    def _depth_for(self, batch_size: int, live: list[str], context_tokens: float) -> int:
         if self.pinned_depth is not None:  # pinned alike on every rank by the caller
             return self.pinned_depth
         if self.pinned_lookup is not None:
             return self.pinned_lookup[min(batch_size, len(self.pinned_lookup) - 1)]
         tp_group = get_tp_group()
         if tp_group.world_size == 1:
-            return self._bandit_depth(batch_size, live)
+            return self._bandit_depth(batch_size, live, context_tokens)
         # Every rank of a tensor-parallel engine runs its own scheduler, and they must agree on every
         # step (external_launcher's premise); rewards are timed per rank, so the first rank decides.
-        return tp_group.broadcast_object(self._bandit_depth(batch_size, live) if tp_group.rank_in_group == 0 else None)
+        return tp_group.broadcast_object(
+            self._bandit_depth(batch_size, live, context_tokens) if tp_group.rank_in_group == 0 else None)
 
-    def _bandit_depth(self, batch_size: int, live: list[str]) -> int:
+    def _bandit_depth(self, batch_size: int, live: list[str], context_tokens: float) -> int:
         if self._held_depth is not None:
             depth, self._held_depth = self._held_depth, None
             return depth
-        depth = self.bandit.choose(batch_size, live)
+        depth = self.bandit.choose(batch_size, live, context_tokens=context_tokens)
         if depth != self._previous_depth:
             self._held_depth = depth
         return depth
@@ -171,7 +180,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
         # pinned steps are not the bandit's choices: they would skew its pull counts
         if clean and not self.pinned and self.get_num_unfinished_requests() > 0:
             tokens = sum(len(ids) for ids in model_runner_output.sampled_token_ids or ())
-            self._unclocked = (step.batch_size, step.depth, tokens, step.started, accepted)
+            self._unclocked = (step.batch_size, step.depth, tokens, step.started, accepted, step.context_tokens)
         self._previous_depth = step.depth
         return outputs
 

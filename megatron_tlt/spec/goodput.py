@@ -99,9 +99,9 @@ class GoodputDepthModel:
             self._positions[k].accepted += k < accepted
 
     def observe_step(self, batch_size: int, depth: int, tokens: int, seconds: float,
-                     accepted: Sequence[int] = ()) -> None:
-        """A clean decode step: ``batch_size`` requests at ``depth`` took ``seconds`` (``tokens`` and ``accepted``
-        are BEG-MAB's; this model counts acceptance per request, in ``observe_drafts``)."""
+                     accepted: Sequence[int] = (), context_tokens: float = 0) -> None:
+        """A clean decode step: ``batch_size`` requests at ``depth`` took ``seconds`` (``tokens``, ``accepted`` and
+        ``context_tokens`` are BEG-MAB's; this model counts acceptance per request, in ``observe_drafts``)."""
         if depth not in self._pulls:
             raise ValueError(f"depth {depth} is not one of the arms {self._depths}.")
         if not (math.isfinite(seconds) and seconds > 0):
@@ -141,9 +141,11 @@ class GoodputDepthModel:
             return 1.0
         return (mine.accepted + _PRIOR_POSITIONS * prior) / (mine.reached + _PRIOR_POSITIONS) / prior
 
-    def choose(self, batch_size: int, live: Iterable[str] = ()) -> int:
+    def choose(self, batch_size: int, live: Iterable[str] = (), context_tokens: float = 0) -> int:
         """The depth for a step of ``batch_size`` requests, ``live`` naming them (unknown ones get the engine's
-        rate, as do the missing ones when fewer than ``batch_size`` are named)."""
+        rate, as do the missing ones when fewer than ``batch_size`` are named). ``context_tokens`` is ignored:
+        each live request's own acceptance already follows its context, so ``speculation.context_bucket_bounds``
+        is BEG-MAB's alone."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         limit = self.settings.max_speculative_batch
@@ -216,8 +218,8 @@ class GoodputDepthModel:
     # ------------------------------------------------------------------ reports and state
 
     def summary(self) -> dict[str, dict]:
-        """Per bucket label (as BEG-MAB's): the depth chosen at the bucket's largest batch with the engine's rate,
-        pulls per depth (over all buckets) and the predicted tokens/s per depth."""
+        """Per batch-size bucket label (as BEG-MAB's without context buckets): the depth chosen at the bucket's
+        largest batch with the engine's rate, pulls per depth (over all buckets) and the predicted tokens/s per depth."""
         out = {}
         bounds = self.settings.bucket_bounds
         ready = self._ready

@@ -531,8 +531,9 @@ def test_speculative_rollouts_with_beg_mab_report_depths_and_keep_the_bandit_acr
     # A pull is a choice; a new depth then runs one more, held step without one, so at least half of
     # rank 0's engine steps over all RL steps were pulls of this one bandit.
     rank0_rollout_steps = sum(r["spec/engine_steps"][0] for r in records)
-    assert sum(sum(pulls) for pulls in bandit["pulls"]) >= rank0_rollout_steps / 2
-    assert sum(len(w) for bucket in bandit["rewards"] for w in bucket) > 0
+    # indexed [batch bucket][context bucket][depth]
+    assert sum(sum(pulls) for bucket in bandit["pulls"] for pulls in bucket) >= rank0_rollout_steps / 2
+    assert sum(len(w) for bucket in bandit["rewards"] for cell in bucket for w in cell) > 0
 
 
 def test_drafter_checkpoints_are_servable_eagle_dirs_with_every_ranks_adam_state(spot_run):
