@@ -444,6 +444,13 @@ class DrafterConfig:
                               "drafter directory, e.g. from `tlt warmup-drafter`)")
 
 
+def _require_increasing(name: str, bounds: tuple[int, ...], what: str) -> None:
+    for lo, hi in zip(bounds, bounds[1:]):
+        if hi <= lo:
+            raise ConfigError(f"{name} must be strictly increasing, got {lo} then {hi} in {list(bounds)}; {what} "
+                              "would overlap.")
+
+
 @dataclasses.dataclass(kw_only=True)
 class SpeculationConfig:
     """BEG-MAB: each rollout engine picks the speculation depth of every step from its live batch size (and, with
@@ -541,10 +548,7 @@ class SpeculationConfig:
         if bounds[0] < 1:
             raise ConfigError(f"speculation.bucket_bounds must be >= 1 (batch sizes start at 1), got {bounds[0]} "
                               f"in {bounds}.")
-        for lo, hi in zip(bounds, bounds[1:]):
-            if hi <= lo:
-                raise ConfigError(f"speculation.bucket_bounds must be strictly increasing, got {lo} then {hi} in "
-                                  f"{bounds}; the buckets would overlap.")
+        _require_increasing("speculation.bucket_bounds", bounds, "the buckets")
 
     def _check_context_buckets(self) -> None:
         bounds = tuple(self.context_bucket_bounds)
@@ -553,10 +557,7 @@ class SpeculationConfig:
         if wrong:
             raise ConfigError(f"speculation.context_bucket_bounds must be whole token counts >= 1, got {wrong[0]!r} "
                               f"in {list(bounds)}.")
-        for lo, hi in zip(bounds, bounds[1:]):
-            if hi <= lo:
-                raise ConfigError(f"speculation.context_bucket_bounds must be strictly increasing, got {lo} then {hi} "
-                                  f"in {list(bounds)}; the context buckets would overlap.")
+        _require_increasing("speculation.context_bucket_bounds", bounds, "the context buckets")
 
     def _check_depths(self) -> None:
         if self.depths is None:  # 0..max_depth: distinct and >= 0 by construction
