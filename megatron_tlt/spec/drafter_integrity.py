@@ -117,6 +117,7 @@ class DrafterHolder(Protocol):
     """What the check needs of an engine (``RolloutEngine``)."""
 
     rank: int
+    speculation_suspended: bool
 
     def drafter_checksums(self) -> dict[str, HeldTensor]: ...
 
@@ -145,11 +146,10 @@ class IntegrityReport:
 
 
 class DrafterIntegrity:
-    """The hand-over checks of one engine and its state: whether its speculation is suspended."""
+    """The hand-over checks of one engine; whether its speculation is suspended is the engine's own state."""
 
     def __init__(self, engine: DrafterHolder):
         self.engine = engine
-        self.speculation_suspended = False
         self._verified: dict[str, TensorChecksum] | None = None  # what the last verified push left
         self._report = IntegrityReport()
 
@@ -186,19 +186,15 @@ class DrafterIntegrity:
                 logger.error("rank %d: the engine's drafter is still not the one pushed %s after a second push (%s): "
                              "rollouts go on without speculation until a push verifies",
                              self.engine.rank, event, "; ".join(problems[:3]))
-                if not self.speculation_suspended:
-                    self.engine.suspend_speculation()
-                    self.speculation_suspended = True
+                self.engine.suspend_speculation()  # a no-op where it already is
                 return False
             self._verified = expected
             if self.speculation_suspended:
                 self.engine.resume_speculation()
-                self.speculation_suspended = False
                 logger.info("rank %d: the drafter pushed %s verified: speculation is back on", self.engine.rank, event)
             return True
         finally:
             self._report.seconds += time.perf_counter() - started
-            self._report.speculation_suspended = self.speculation_suspended
 
     def verify_still_held(self, *, event: str) -> bool:
         """Whether the engine still holds the drafter of the last verified push (after a wake); a mismatch is a
@@ -217,8 +213,12 @@ class DrafterIntegrity:
         finally:
             self._report.seconds += time.perf_counter() - started
 
+    @property
+    def speculation_suspended(self) -> bool:
+        return self.engine.speculation_suspended
+
     def drain_report(self) -> IntegrityReport:
         """The checks since the last call (a step's), and whether speculation is suspended now."""
-        report, self._report = self._report, IntegrityReport(speculation_suspended=self.speculation_suspended)
+        report, self._report = self._report, IntegrityReport()
         report.speculation_suspended = self.speculation_suspended
         return report

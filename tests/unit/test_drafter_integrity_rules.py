@@ -77,6 +77,10 @@ class InMemoryEngine:
             gate, up = "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight"
             self.held[gate], self.held[up] = tensors[up], tensors[gate]
 
+    @property
+    def speculation_suspended(self):
+        return self.suspended
+
     def suspend_speculation(self):
         self.suspended = True
 
