@@ -38,6 +38,15 @@ from megatron_tlt.config import ConfigError, SpeculationConfig
 _STATE_VERSION = 3  # 2: the windows of credit "shallower" (yields, paces); 3: per context bucket too
 
 
+def _range_label(bounds: tuple[int, ...], index: int) -> str:
+    """The range of bucket ``index`` of inclusive upper ``bounds`` starting at 1: "1", "3-5", "33+"."""
+    if index == len(bounds):
+        return f"{bounds[-1] + 1}+"
+    lo = bounds[index - 1] + 1 if index else 1
+    hi = bounds[index]
+    return str(hi) if lo == hi else f"{lo}-{hi}"
+
+
 class BanditConfigError(ConfigError):
     """A bandit that cannot run with these arms or this saved state; the message names the values."""
 
@@ -98,13 +107,7 @@ class BucketedEpsilonGreedy:
     def context_bucket_label(self, context_bucket: int) -> str:
         """Token range of a context bucket: "1-256", "257-512", "513+" ("any" without context bounds)."""
         self._check_context_bucket(context_bucket)
-        if not self._context_bounds:
-            return "any"
-        if context_bucket == len(self._context_bounds):
-            return f"{self._context_bounds[-1] + 1}+"
-        lo = self._context_bounds[context_bucket - 1] + 1 if context_bucket else 1
-        hi = self._context_bounds[context_bucket]
-        return str(hi) if lo == hi else f"{lo}-{hi}"
+        return _range_label(self._context_bounds, context_bucket) if self._context_bounds else "any"
 
     def cell_label(self, bucket: int, context_bucket: int = 0) -> str:
         """A cell's label in ``summary``: the batch-size range alone without context bounds ("3-5", as before),
@@ -124,11 +127,7 @@ class BucketedEpsilonGreedy:
     def bucket_label(self, bucket: int) -> str:
         """Human-readable batch-size range of a bucket: "1", "3-5", "33+"."""
         self._check_bucket(bucket)
-        if bucket == len(self._bounds):
-            return f"{self._bounds[-1] + 1}+"
-        lo = self._bounds[bucket - 1] + 1 if bucket else 1
-        hi = self._bounds[bucket]
-        return str(hi) if lo == hi else f"{lo}-{hi}"
+        return _range_label(self._bounds, bucket)
 
     kind = "bandit"
 
@@ -262,8 +261,7 @@ class BucketedEpsilonGreedy:
             "rewards": self._nested(self._rewards, list),
             "yields": self._nested(self._yields, list),
             "paces": self._nested(self._paces, list),
-            "pulls": [[list(self._pulls[(b, c)]) for c in range(self.num_context_buckets)]
-                      for b in range(self.num_buckets)],
+            "pulls": self._nested(self._pulls, int),
             "rng": [version, list(internal), gauss_next],
         }
 
