@@ -60,6 +60,11 @@ def _seconds(runs: dict[str, list[list[dict]]], arm: str, key: str, repeat: int 
     return sum(r[key] for records in chosen for r in records[1:])
 
 
+def _repeat_ratios(runs: dict[str, list[list[dict]]], base: str, arm: str, key: str) -> list[float]:
+    """``base``'s time over ``arm``'s, repeat by repeat (each repeat's runs of the two arms side by side)."""
+    return [_seconds(runs, base, key, i) / _seconds(runs, arm, key, i) for i in range(len(runs[arm]))]
+
+
 def _mean_records(repeats: list[list[dict]]) -> list[dict]:
     """Per step, the mean over the repeats of the curves the bench prints."""
     keys = ("reward_mean", "accuracy", "spec/mean_acceptance_length")
@@ -141,7 +146,7 @@ def main() -> None:
             line += f"   frozen {c:8.2f}s  speedup {a / c:5.2f}x"
         print(line)
     if args.repeats > 1:
-        ratios = [seconds("off", "step_seconds", i) / seconds("on", "step_seconds", i) for i in range(args.repeats)]
+        ratios = _repeat_ratios(runs, "off", "on", "step_seconds")
         print("  step time TLT off / on per repeat: " + ", ".join(f"{r:.3f}x" for r in ratios) +
               f"; mean {statistics.fmean(ratios):.3f}x (SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f})")
     off, on = _mean_records(runs["off"]), _mean_records(runs["on"])
@@ -206,7 +211,7 @@ def _print_arms(runs: dict[str, list[list[dict]]], half: int) -> None:
     """Every arm against TLT off side by side: step and rollout time ratios (per repeat, mean and SE),
     acceptance length, drafter rows trained a step, and reward; then acceptance over the run, per arm."""
     def per_repeat(base: str, arm: str, key: str) -> str:
-        ratios = [_seconds(runs, base, key, i) / _seconds(runs, arm, key, i) for i in range(len(runs[arm]))]
+        ratios = _repeat_ratios(runs, base, arm, key)
         se = f" SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f}" if len(ratios) > 1 else ""
         return f"{statistics.fmean(ratios):.3f}x{se}"
 
@@ -234,8 +239,7 @@ def _print_arms(runs: dict[str, list[list[dict]]], half: int) -> None:
 def _print_variant(runs: dict[str, list[list[dict]]], name: str) -> None:
     """A --variant arm against TLT off and TLT on: step and rollout time ratios, per repeat with their spread."""
     for base in ("off", "on"):
-        ratios = [_seconds(runs, base, "step_seconds", i) / _seconds(runs, name, "step_seconds", i)
-                  for i in range(len(runs[name]))]
+        ratios = _repeat_ratios(runs, base, name, "step_seconds")
         spread = f" (SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f})" if len(ratios) > 1 else ""
         step = _seconds(runs, base, "step_seconds") / _seconds(runs, name, "step_seconds")
         rollout = _seconds(runs, base, "rollout_seconds") / _seconds(runs, name, "rollout_seconds")
