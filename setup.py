@@ -15,8 +15,8 @@ setup(
     description="Megatron-Core GRPO trainer with TLT adaptive drafter training and adaptive speculative rollouts",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_tlt", "megatron_tlt.*", "checkpoints_tools", "checkpoints_tools.*"]),
-    # The tiny default's shipped warm-up and cold-start drafter (rl/shipped_start.py); .metadata is a hidden file.
-    package_data={"megatron_tlt.rl": ["shipped/*.json", "shipped/*/*", "shipped/*/*/*", "shipped/*/*/.metadata"]},
+    # The tiny default's shipped warm-up and cold-start drafter (rl/tiny/shipped_start.py); .metadata is a hidden file.
+    package_data={"megatron_tlt.rl.tiny": ["shipped/*.json", "shipped/*/*", "shipped/*/*/*", "shipped/*/*/.metadata"]},
     install_requires=[
         # 0.17+ requires Python 3.12; megatron_tlt.cpu_compat is written against 0.16.x.
         "megatron-core>=0.16.1,<0.17",

@@ -34,12 +34,12 @@ def _model(args: argparse.Namespace) -> dict:
 def _measure(args: argparse.Namespace) -> list[int]:
     import torch
 
-    from megatron_tlt import mcore
-    from megatron_tlt.build_options import BuildOptions
-    from megatron_tlt.lm_training import LMMicroBatch, lm_train_step
-    from megatron_tlt.memory_meter import PeakMemoryMeter
-    from megatron_tlt.model_config import architecture_from_dict
+    from megatron_tlt.model import mcore
+    from megatron_tlt.model.architecture import architecture_from_dict
+    from megatron_tlt.model.build_options import BuildOptions
+    from megatron_tlt.model.lm_training import LMMicroBatch, lm_train_step
     from megatron_tlt.parallel import ParallelLayout
+    from megatron_tlt.plan.memory_meter import PeakMemoryMeter
 
     arch = architecture_from_dict(_model(args))
     peaks = []
@@ -60,8 +60,8 @@ def _measure(args: argparse.Namespace) -> list[int]:
 
 
 def _planned(args: argparse.Namespace) -> list[float]:
-    from megatron_tlt.model_config import architecture_from_dict
-    from megatron_tlt.plan_memory import DTYPE_BYTES, ActivationSetting, stage_activations
+    from megatron_tlt.model.architecture import architecture_from_dict
+    from megatron_tlt.plan.memory import DTYPE_BYTES, ActivationSetting, stage_activations
 
     arch = architecture_from_dict(_model(args))
     return [stage_activations(arch, ActivationSetting(seq_len=args.seq_len, attention=a, recompute=r,

@@ -35,8 +35,8 @@ class PolicyAnswers:
 
 
 def _answers(session, engine, examples, samples: int, temperature: float) -> PolicyAnswers:
-    from megatron_tlt.rl import synthetic_task
-    from megatron_tlt.rl.rewards import get_reward_fn
+    from megatron_tlt.rl.rewards.functions import get_reward_fn
+    from megatron_tlt.rl.tiny import synthetic_task
 
     reward = get_reward_fn(session.config.data.reward)
     prompts = [e.prompt_ids for e in examples]
@@ -65,8 +65,8 @@ def evaluate(run: Path, samples: int) -> tuple[PolicyAnswers, PolicyAnswers, flo
     """(the initial policy's answers, the latest checkpoint's, the temperature sampled at)."""
     from megatron_tlt.config import load_config
     from megatron_tlt.parallel import ParallelLayout
-    from megatron_tlt.rl.checkpoint_paths import resolve_policy_dir
     from megatron_tlt.rl.rank_session import RankSession
+    from megatron_tlt.rl.run.checkpoint_paths import resolve_policy_dir
 
     config = load_config(str(run / "config.yaml"))
     final_policy = resolve_policy_dir(run)  # before the engine starts: a wrong --run fails fast

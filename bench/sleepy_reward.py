@@ -5,7 +5,7 @@ response, standing in for a verifier or judge whose cost is mostly waiting. Load
 import os
 import time
 
-from megatron_tlt.rl.rewards import exact_match_reward
+from megatron_tlt.rl.rewards.functions import exact_match_reward
 
 SLEEP_S = float(os.environ.get("TLT_BENCH_REWARD_SLEEP_MS", "20")) / 1000.0
 

@@ -22,11 +22,11 @@ from megatron_tlt.launcher import run_on_ranks
 
 
 def _bench_on_rank(args: argparse.Namespace, workdir: str) -> dict:
-    from megatron_tlt import policy
-    from megatron_tlt.model_config import architecture_from_dict
+    from megatron_tlt.config import RolloutEngineConfig
+    from megatron_tlt.model import policy
+    from megatron_tlt.model.architecture import architecture_from_dict
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl import weight_sync
-    from megatron_tlt.config import RolloutEngineConfig
     from megatron_tlt.spec.engine import RolloutEngine
 
     config = dict(architectures=["LlamaForCausalLM"], vocab_size=args.vocab, hidden_size=args.hidden,

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from megatron_tlt.drafter import store
 from megatron_tlt.drafter.checkpoint_paths import resolve_drafter_dir
-from megatron_tlt.hf_io import CheckpointError, atomic_output_dir, check_output_dir
-from megatron_tlt.rl import checkpoint_paths
+from megatron_tlt.formats.hf_io import CheckpointError, atomic_output_dir, check_output_dir
+from megatron_tlt.rl.run import checkpoint_paths
 
 if TYPE_CHECKING:
     import torch

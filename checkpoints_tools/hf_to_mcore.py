@@ -11,16 +11,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from megatron_tlt.hf_io import HFCheckpointReader, atomic_output_dir, check_output_dir, copy_tokenizer_files
+from megatron_tlt.formats.hf_io import HFCheckpointReader, atomic_output_dir, check_output_dir, copy_tokenizer_files
+from megatron_tlt.formats.policy_meta import FORMAT_VERSION, PolicyCheckpointMeta
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.model_config import load_architecture
-from megatron_tlt.policy_meta import FORMAT_VERSION, PolicyCheckpointMeta
+from megatron_tlt.model.architecture import load_architecture
 
 logger = logging.getLogger(__name__)
 
 
 def _convert_on_rank(hf_dir: str, staging: str, tp: int, pp: int, meta: PolicyCheckpointMeta) -> None:
-    from megatron_tlt import policy
+    from megatron_tlt.model import policy
     from megatron_tlt.parallel import ParallelLayout
 
     with ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp):
@@ -39,8 +39,8 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     arch = load_architecture(hf_dir)
     arch.validate_layout(tensor_parallel_size=tp, pipeline_parallel_size=pp)
     # deferred: torch (~1.9 s) and Megatron (~3.5 s) to import; a bad config or layout is refused first
-    from megatron_tlt import weights
-    from megatron_tlt.policy import dtype_name
+    from megatron_tlt.formats import weights
+    from megatron_tlt.model.policy import dtype_name
 
     reader = HFCheckpointReader(hf_dir)
     reader.require(weights.hf_names(arch))

@@ -3,7 +3,7 @@
 The checkpoint is loaded on one rank at TP=1/PP=1 (Megatron's dist_checkpointing reshards on load),
 converted tensor by tensor and written into a staging directory that becomes ``--out`` at the end. The
 tokenizer files (and chat template) are those the checkpoint holds: ``tlt convert hf-to-mcore`` copies them from
-the HF model, a training run from the policy it trains (``rl/checkpoint.py``), so the output serves as it is.
+the HF model, a training run from the policy it trains (``rl/run/checkpoint.py``), so the output serves as it is.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import json
 import logging
 from pathlib import Path
 
-from megatron_tlt.hf_io import atomic_output_dir, check_output_dir, copy_tokenizer_files, write_hf_weights
+from megatron_tlt.formats.hf_io import atomic_output_dir, check_output_dir, copy_tokenizer_files, write_hf_weights
+from megatron_tlt.formats.policy_meta import PolicyCheckpointMeta
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.policy_meta import PolicyCheckpointMeta
 
 logger = logging.getLogger(__name__)
 
 
 def _export_on_rank(ckpt_dir: str, staging: str, max_shard_size: str) -> None:
-    from megatron_tlt import policy
+    from megatron_tlt.model import policy
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl.weight_sync import iter_hf_tensors
 

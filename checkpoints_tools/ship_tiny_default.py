@@ -1,4 +1,4 @@
-"""Remake the tiny default's shipped starting point (``megatron_tlt/rl/shipped_start.py``).
+"""Remake the tiny default's shipped starting point (``megatron_tlt/rl/tiny/shipped_start.py``).
 
     python -m checkpoints_tools.ship_tiny_default [key=value ...]
 
@@ -19,8 +19,8 @@ import sys
 from megatron_tlt import atomic_files
 from megatron_tlt.commands.start import cold_start_drafter
 from megatron_tlt.config import load_config
-from megatron_tlt.rl import shipped_start, tiny_default
-from megatron_tlt.rl.artifact_cache import cache_root
+from megatron_tlt.rl.run.artifact_cache import cache_root
+from megatron_tlt.rl.tiny import shipped_start, tiny_default
 
 CONFIG = "tiny"
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*args.overrides, "warmup.use_shipped=false"]
     drafter = cold_start_drafter(CONFIG, overrides)  # its ranks make the policy's warm-up first when missing
     config = load_config(CONFIG, overrides)
-    from megatron_tlt.rl.tiny_source import warmed_up_dir  # torch: only once the ranks are done
+    from megatron_tlt.rl.tiny.tiny_source import warmed_up_dir
 
     tokenizer = tiny_default.load_task_tokenizer(cache_root(config.warmup.cache_dir))
     policy = warmed_up_dir(config, tokenizer)

@@ -61,7 +61,7 @@ if [ "$phase" != kernels ]; then
     # One rank on one GPU (NCCL takes one GPU a rank), so no rank is ever idle: TLT on is speculation with a
     # drafter that does not train there. The cold-start drafter's cache key holds the parallel layout, so the
     # shipped one (made at two ranks, of the same initial policy) is named rather than remade.
-    shipped_drafter=$(ls -d megatron_tlt/rl/shipped/drafter-*)
+    shipped_drafter=$(ls -d megatron_tlt/rl/tiny/shipped/drafter-*)
     part tlt_end_to_end "${E2E_SECONDS:-300}" python3 bench/tlt_end_to_end.py --steps "${E2E_STEPS:-8}" \
         --no-frozen --no-serial --drafter "$shipped_drafter" --keep /tmp/tlt-e2e -- parallel.data_parallel_size=1
     for log in /tmp/tlt-e2e/*/logs/rank0.log; do  # what each run said: held-out accuracy, TLT lines, errors

@@ -10,7 +10,7 @@ what was there before untouched.
     .NAME.partial-1a2b3c4d    the staging name of writers that may race for NAME (a shared cache entry,
                               a converter's --out): each has its own
 
-Leading dots keep staging names out of the ``step_*`` listings of ``rl/checkpoint_paths.py`` and
+Leading dots keep staging names out of the ``step_*`` listings of ``rl/run/checkpoint_paths.py`` and
 ``drafter/checkpoint_paths.py``. Standard library only: the torch-free CLI paths import it.
 """
 

@@ -111,7 +111,7 @@ def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
 
 def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     from checkpoints_tools.mcore_to_hf import convert_mcore_to_hf
-    from megatron_tlt.rl.checkpoint_paths import resolve_policy_dir
+    from megatron_tlt.rl.run.checkpoint_paths import resolve_policy_dir
 
     ckpt = resolve_policy_dir(args.ckpt)  # a run's latest checkpoint, a checkpoint or a policy checkpoint
     out = convert_mcore_to_hf(ckpt, args.out, max_shard_size=args.max_shard_size)
@@ -120,7 +120,7 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from megatron_tlt.plan_cli import run
+    from megatron_tlt.plan.cli import run
 
     return run(args)
 
@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (e.g. 2GB, 500MB)")
     to_hf.set_defaults(func=_cmd_mcore_to_hf)
 
-    from megatron_tlt import plan_cli  # argparse and the planner's dataclasses only
+    from megatron_tlt.plan import cli as plan_cli
 
     plan = commands.add_parser("plan", help="check a TP x PP x DP layout and estimate per-GPU memory",
                                description=plan_cli.DESCRIPTION)

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from megatron_tlt import layout_rules
-from megatron_tlt.build_options import ATTENTIONS, RECOMPUTES, BuildOptions
+from megatron_tlt.model.build_options import ATTENTIONS, RECOMPUTES, BuildOptions
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
 # drafter.precision's choices; drafter/precision.py says what each means (it imports torch, so they live here)
@@ -42,9 +42,9 @@ EXPLORATION = ("uniform", "neighbours")
 CREDIT = ("own", "shallower")
 # algorithm.advantage's choices: the estimators rl/advantages.py registers (it refuses a name not listed here)
 ADVANTAGES = ("grpo", "rloo")
-# data.solution_style's choices: the built-in task's ways of writing a worked solution (rl/synthetic_task.py)
+# data.solution_style's choices: the built-in task's ways of writing a worked solution (rl/tiny/synthetic_task.py)
 SOLUTION_STYLES = ("chain", "restate")
-# trainer.loggers' choices: where the run's scalars go (rl/metric_loggers.py); trainer.wandb_mode's
+# trainer.loggers' choices: where the run's scalars go (rl/run/metric_loggers.py); trainer.wandb_mode's
 LOGGERS = ("tensorboard", "wandb")
 WANDB_MODES = ("offline", "online")
 
@@ -146,7 +146,7 @@ class DataConfig:
     reward: str = "exact_match"
     """Reward function: a registered name or "package.module:function"."""
     reward_workers: int = 0
-    """Ray actors that score each engine's responses (``rl/reward_pool.py``), as each prompt's samples finish
+    """Ray actors that score each engine's responses (``rl/rewards/pool.py``), as each prompt's samples finish
     while the rollout's tail still generates; 0 scores inline, in the rank's own process after the rollout
     (best for cheap rewards such as exact_match). For slow or unsafe rewards: math-verify at scale, code
     execution, model judges."""
@@ -168,7 +168,7 @@ class DataConfig:
     """Built-in task: the most steps (solution lines) a problem takes; responses grow by ~8 tokens a step."""
     length_tail: float = 1.5
     """Built-in task: the Zipf exponent of the step count, P(k) ~ k ** -length_tail: smaller gives a longer
-    tail of long problems (rl/synthetic_task.py)."""
+    tail of long problems (rl/tiny/synthetic_task.py)."""
     solution_style: str = "chain"
     """Built-in task: how worked solutions are written: chain (one short line per step, ``55+1=56``) or
     restate (each line restates the remaining expression, ``=56-8-5``: quadratic length, mostly copied text)."""
@@ -217,7 +217,7 @@ class WarmupConfig:
     """RL continues the warm-up's Adam state (its second moments) instead of a fresh Adam."""
     use_shipped: bool = True
     """Install the package's shipped copy of the default's warm-up and cold-start drafter when one matches
-    this config's cache key (the same start on every machine, ``rl/shipped_start.py``); false: make them here."""
+    this config's cache key (the same start on every machine, ``rl/tiny/shipped_start.py``); false: make them here."""
 
     def __post_init__(self) -> None:
         _require_at_least_one("warmup", sequences_per_step=self.sequences_per_step,

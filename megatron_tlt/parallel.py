@@ -58,7 +58,7 @@ class ParallelLayout:
 
     def initialize(self) -> "ParallelLayout":
         """Join (or create) the default process group and build Megatron's groups."""
-        from megatron_tlt import mcore  # imports megatron.core: only after the CPU shim decision
+        from megatron_tlt.model import mcore
 
         cpu_compat.enable()
         if not dist.is_initialized():
@@ -93,7 +93,7 @@ class ParallelLayout:
 
     def close(self) -> None:
         """Tear down Megatron's groups and, if we created it, the default group."""
-        from megatron_tlt import mcore
+        from megatron_tlt.model import mcore
 
         mcore.destroy_model_parallel()
         if self.initialized_here and dist.is_initialized():

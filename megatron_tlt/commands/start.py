@@ -16,7 +16,7 @@ from megatron_tlt import atomic_files, layout_rules
 from megatron_tlt.commands.warmup_settings import ColdStartSettings
 from megatron_tlt.config import check_pretrained_config, load_config, to_yaml, world_size
 from megatron_tlt.launcher import launched_rank
-from megatron_tlt.rl import run_dir as run_files
+from megatron_tlt.rl.run import run_dir as run_files
 
 
 def _train_on_rank(config, run_dir: str, resume: bool):
@@ -44,7 +44,7 @@ def _check_drafter_precision(config) -> None:
 
 def _check_layout(config) -> None:
     """Every layout rule of the run for the policy it will train (``layout_rules``, which tlt plan shares)."""
-    from megatron_tlt.rl.task_source import task_source
+    from megatron_tlt.rl.inputs.task_source import task_source
 
     layout_rules.check_run_layout(config, task_source(config).architecture())
 
@@ -66,7 +66,7 @@ def _run_on_engine_ranks(fn, nprocs: int, *args, log_dir: Path | None = None) ->
 def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str | None = None):
     """Run to ``trainer.steps``; returns (run directory, summary records)."""
     from megatron_tlt.launcher import launched_world_size
-    from megatron_tlt.rl import checkpoint_paths
+    from megatron_tlt.rl.run import checkpoint_paths
 
     config = _load(config_name, overrides, resume_dir)
     if resume_dir is None:
@@ -117,8 +117,8 @@ def _warm_up_drafter_on_rank(config, policy_dir, out_dir: str, settings):
 def start_drafter_warmup(config_name: str | None, overrides: list[str], *, policy: str | None, out_dir: str,
                          settings) -> dict:
     """Warm a drafter up offline (``warmup_drafter.py``); returns its before/after figures."""
-    from megatron_tlt.rl.checkpoint_paths import resolve_policy_dir
-    from megatron_tlt.hf_io import check_output_dir
+    from megatron_tlt.formats.hf_io import check_output_dir
+    from megatron_tlt.rl.run.checkpoint_paths import resolve_policy_dir
 
     config = load_config(config_name, overrides)
     check_pretrained_config(config_name, config)
@@ -167,7 +167,7 @@ def cold_start_settings(config) -> ColdStartSettings:
 
 def cold_start_dir(config) -> Path:
     """The cache entry of the config's cold-start drafter (it may not exist yet)."""
-    from megatron_tlt.rl.artifact_cache import cache_key, cache_root, warmup_recipe
+    from megatron_tlt.rl.run.artifact_cache import cache_key, cache_root, warmup_recipe
 
     # Keyed by what the cold start reads, not by the RL-only drafter settings (depth, spot training, alarms):
     # the TLT-on and TLT-off arms of a benchmark share one drafter.
@@ -186,7 +186,7 @@ def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: b
     """The cold-start drafter of the config's initial policy (``tlt warmup-drafter``), installed from the
     package or made on first use (unless not ``make``) and cached: what ``drafter.cold_start`` and the
     benchmarks start from."""
-    from megatron_tlt.rl.task_source import task_source
+    from megatron_tlt.rl.inputs.task_source import task_source
 
     config = load_config(config_name, overrides)
     directory = cold_start_dir(config)
@@ -206,7 +206,7 @@ def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy
                         settings) -> dict:
     """``tlt bench rollout``: no speculation vs fixed depths vs BEG-MAB on one rollout, in one rank process."""
     from megatron_tlt.drafter.checkpoint_paths import resolve_drafter_dir
-    from megatron_tlt.rl.checkpoint_paths import resolve_policy_dir
+    from megatron_tlt.rl.run.checkpoint_paths import resolve_policy_dir
 
     config = load_config(config_name, overrides)
     if settings.prompts < 1 or settings.rounds < 1 or not settings.depths or min(settings.depths) < 0 \

@@ -23,18 +23,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_tlt import mcore
 from megatron_tlt.commands.warmup_settings import ColdStartSettings
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter import store
 from megatron_tlt.drafter.precision import resolve_precision
 from megatron_tlt.drafter.trainer import DrafterTrainer
-from megatron_tlt.hf_io import atomic_output_dir
+from megatron_tlt.formats.hf_io import atomic_output_dir
+from megatron_tlt.model import mcore
 from megatron_tlt.parallel import ParallelLayout
 from megatron_tlt.rl.actor import compute_logprobs, features_on_every_stage
-from megatron_tlt.rl.data import PromptExample
+from megatron_tlt.rl.inputs.data import PromptExample
+from megatron_tlt.rl.inputs.task import Task
 from megatron_tlt.rl.rank_session import RankSession
-from megatron_tlt.rl.task import Task
 from megatron_tlt.spec.engine import SpeculativeSettings
 from megatron_tlt.spec.metrics import SpecDecodeStats
 

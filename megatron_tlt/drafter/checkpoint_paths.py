@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from megatron_tlt.drafter import store
-from megatron_tlt.hf_io import CheckpointError
+from megatron_tlt.formats.hf_io import CheckpointError
 
 DRAFTER_DIR = "drafter"
 _STEP_DIR = re.compile(r"step_(\d{6})$")

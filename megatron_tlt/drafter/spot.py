@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_tlt.timeline import IDLE, TRAINING, RankTimeline
+from megatron_tlt.timeline.spans import IDLE, TRAINING, RankTimeline
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ from megatron_tlt.drafter import checkpoint_paths, checkpointer, store
 from megatron_tlt.drafter.precision import resolve_precision, start_up_line
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotReport, SpotTrainer
 from megatron_tlt.drafter.trainer import DrafterTrainer
-from megatron_tlt.model_config import PolicyArchitecture
+from megatron_tlt.model.architecture import PolicyArchitecture
 from megatron_tlt.spec.engine import SpeculativeSettings
-from megatron_tlt.timeline import BUSY, TRAINING, RankTimeline
+from megatron_tlt.timeline.spans import BUSY, TRAINING, RankTimeline
 
 logger = logging.getLogger(__name__)
 

@@ -17,14 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from megatron_tlt.config import DrafterConfig
 from megatron_tlt.drafter.buffer import HiddenStateBuffer
 from megatron_tlt.drafter.loss import drafter_loss
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.packing import DrafterPack, iter_packs, pack_sequences, pad_rows
 from megatron_tlt.drafter.precision import DrafterPrecision, autocast
-from megatron_tlt.config import DrafterConfig
-from megatron_tlt.model_config import PolicyArchitecture
-
+from megatron_tlt.model.architecture import PolicyArchitecture
 
 _EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 POLICY_HEAD_NAMES = frozenset({_EMBEDDING, _LM_HEAD})

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_tlt import mcore
 from megatron_tlt.device import module_device, to_device
-from megatron_tlt.lm_training import length_sorted_chunks, token_width
+from megatron_tlt.model import mcore
+from megatron_tlt.model.lm_training import length_sorted_chunks, token_width
 
 
 @dataclasses.dataclass

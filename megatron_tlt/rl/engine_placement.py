@@ -61,7 +61,7 @@ def engine_placement(engine_tensor_parallel_size: int) -> EnginePlacement:
     """This rank's placement (Megatron's groups must exist)."""
     import torch.distributed as dist
 
-    from megatron_tlt import mcore  # imports megatron.core: not for config validation
+    from megatron_tlt.model import mcore
 
     resolve_engine_tp(engine_tensor_parallel_size, mcore.stage_info().tp_size)  # the groups as built, not as configured
     mp_group = mcore.model_parallel_group()

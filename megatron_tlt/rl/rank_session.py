@@ -18,13 +18,14 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_tlt import layout_rules, mcore
+from megatron_tlt import layout_rules
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter.trainer import POLICY_HEAD_NAMES
-from megatron_tlt.rl import policy_source
+from megatron_tlt.model import mcore
 from megatron_tlt.rl.engine_placement import engine_placement
-from megatron_tlt.rl.task import engine_config_for, sampling_settings
-from megatron_tlt.rl.task_source import task_source
+from megatron_tlt.rl.inputs import policy_source
+from megatron_tlt.rl.inputs.task import engine_config_for, sampling_settings
+from megatron_tlt.rl.inputs.task_source import task_source
 from megatron_tlt.rl.weight_sync import SyncStats, sync_policy_to_engine
 from megatron_tlt.spec import kv_budget
 from megatron_tlt.spec.drafter_integrity import DrafterIntegrity, IntegrityReport

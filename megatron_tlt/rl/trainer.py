@@ -7,7 +7,7 @@ Ranks and their work:
     PP > 1 each pipeline stage's TP group runs an engine of the whole policy;
   * rewards are scored where a response was generated: inline after the rollout, or with
     ``data.reward_workers`` on a Ray actor pool that scores each prompt's responses as the engine finishes
-    them, while the rollout's tail still generates (``rl/reward_pool.py``); advantages are group-relative
+    them, while the rollout's tail still generates (``rl/rewards/pool.py``); advantages are group-relative
     over the n samples of a prompt (a group never spans DP ranks);
   * the log-prob pass and the update run through Megatron's schedules on the model-parallel group,
     gradients are all-reduced over DP, and the token mean covers the global batch (``rl/update.py``).
@@ -15,68 +15,43 @@ Ranks and their work:
     log-prob pass: the update's own forward gives the old log-probs and the drafter's features;
   * the sync streams the new weights into every engine (``rl/rank_session.py``).
 Rollout ends at a barrier over all ranks, so each rank's idle time in the long tail is measured
-exactly; every phase is timed per rank (``timeline.py``). TLT's drafter (``drafter/tlt_drafter.py``)
+exactly; every phase is timed per rank (``timeline/spans.py``). TLT's drafter (``drafter/tlt_drafter.py``)
 trains in that idle time, takes the features of the policy's forward (update or log-prob pass) and is pushed into the engine at the
-sync; the step's summary record is made from every rank's report (``rl/step_record.py``).
+sync; the step's summary record is made from every rank's report (``rl/run/step_record.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_tlt import atomic_files, mcore
+from megatron_tlt import atomic_files
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.device import module_device
 from megatron_tlt.drafter.tlt_drafter import TailReport, TLTDrafter
-from megatron_tlt.rl import checkpoint, checkpoint_paths, metric_loggers, policy_source, run_dir as run_files
+from megatron_tlt.model import mcore
 from megatron_tlt.rl.actor import CapturedFeatures, compute_logprobs, features_on_every_stage
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
-from megatron_tlt.rl.data import PromptExample
+from megatron_tlt.rl.inputs import policy_source
+from megatron_tlt.rl.inputs.data import PromptExample
+from megatron_tlt.rl.inputs.sampler import PromptSampler
 from megatron_tlt.rl.rank_session import RankSession
-from megatron_tlt.rl.reward_pool import RankRewardPool, StreamedScores
-from megatron_tlt.rl.rewards import get_reward_fn
-from megatron_tlt.rl.sampler import PromptSampler
-from megatron_tlt.rl.step_record import RankStepReport, RewardPoolReport, step_record
+from megatron_tlt.rl.rewards.pool import RankRewardPool, StreamedScores
+from megatron_tlt.rl.run import checkpoint, checkpoint_paths, metric_loggers
+from megatron_tlt.rl.run import run_dir as run_files
+from megatron_tlt.rl.run.step_record import RankStepReport, RewardPoolReport, step_record
+from megatron_tlt.rl.scoring import ResponseScorer, Sample, held_out_accuracy, rollout_seed
 from megatron_tlt.rl.update import PolicySequence, policy_update_step
 from megatron_tlt.rl.weight_sync import SyncStats
-from megatron_tlt.timeline import BUSY, IDLE, RankTimeline
+from megatron_tlt.timeline.spans import BUSY, IDLE, RankTimeline
 
 logger = logging.getLogger(__name__)
-
-EVAL_SAMPLES_PER_PROMPT = 4
-_EVAL_SEED_STEP = 1 << 30  # a step index no RL step reaches: evaluation samples never repeat a rollout's
-
-
-@dataclasses.dataclass
-class Sample:
-    """One response with its score (travels between ranks as a plain object)."""
-
-    prompt_index: int
-    """Position of its prompt in this DP rank's batch: the GRPO group it belongs to."""
-    sample_index: int
-    prompt_ids: tuple[int, ...]
-    response_ids: list[int]
-    finish_reason: str
-    reward: float
-
-    @property
-    def correct(self) -> bool:
-        return self.reward >= 1.0
-
-
-def _rollout_seed(base: int, step: int, rank: int) -> int:
-    # Independent, reproducible streams per (step, rank): a resumed run draws the same samples.
-    return int(np.random.SeedSequence([base, step, rank]).generate_state(1)[0] % (2**31 - 1))
-
 
 class RLTrainer:
     """Built collectively on every rank; ``run()`` trains to ``trainer.steps``."""
@@ -90,7 +65,6 @@ class RLTrainer:
         self.mp_group = mcore.model_parallel_group()
         self.mp_size = dist.get_world_size(self.mp_group)
         self.is_reporter = self.rank == 0
-        self.reward_fn = get_reward_fn(config.data.reward)
         self.advantage_fn = get_advantage_fn(config.algorithm.advantage)
 
         ckpt = checkpoint_paths.latest_checkpoint(run_dir) if resume else None
@@ -104,6 +78,7 @@ class RLTrainer:
         self.reward_pool = None  # before the engine starts: Ray's processes are not pinned to this rank's core
         if config.data.reward_workers:
             self.reward_pool = RankRewardPool(config.data, hosts_pool=self.placement.is_leader)
+        self.scorer = ResponseScorer(config.data, self.tokenizer, self.reward_pool)
         self._build_optimizer(resume_state=ckpt is not None)
         self.reference = None
         if config.algorithm.kl_coef != 0.0:  # frozen copy of the starting policy
@@ -174,48 +149,18 @@ class RLTrainer:
             group["max_lr"], group["min_lr"] = opt.lr, opt.min_lr
             group["lr"] = self.lr_schedule.get_lr(group)
 
-    def _decode(self, response: list[int]) -> str:
-        return self.tokenizer.decode(response, skip_special_tokens=True)
-
-    def _stream_scores(self, examples: list[PromptExample], label: str) -> StreamedScores | None:
-        """With the reward pool, on an engine's leader: what hands each prompt's responses to it as the engine
-        finishes them."""
-        if self.reward_pool is None:
-            return None
-        return self.reward_pool.stream(self._decode, [e.ground_truth for e in examples], label=label)
-
-    def _score(self, examples: list[PromptExample], token_ids: list[list[list[int]]],
-               finish_reasons: list[list[str]], first_prompt_index: int, stride: int,
-               streamed: StreamedScores | None = None) -> list[Sample]:
-        """The samples with their rewards: from ``streamed`` (the pool) or scored here; none on an engine's
-        non-leading ranks when a pool scores (their leader's pool has them)."""
-        if self.config.data.reward_workers and streamed is None:
-            return []
-        pooled = streamed.scores() if streamed is not None else None
-        samples = []
-        for k, (example, responses, reasons) in enumerate(zip(examples, token_ids, finish_reasons)):
-            for j, (response, reason) in enumerate(zip(responses, reasons)):
-                if pooled is not None:
-                    reward = pooled[k][j].reward
-                else:
-                    reward = float(self.reward_fn(self._decode(response), example.ground_truth))
-                samples.append(Sample(prompt_index=first_prompt_index + k * stride, sample_index=j,
-                                      prompt_ids=example.prompt_ids, response_ids=list(response),
-                                      finish_reason=reason, reward=reward))
-        return samples
-
     # ------------------------------------------------------------------ one step
 
     def _rollout(self, step: int, examples: list[PromptExample], timeline: RankTimeline, train_drafter: bool):
         """This engine's share of the prompts answered; returns (its prompts, the engine's result, what the
         drafter did in the tail or None, the reward pool's scoring of it or None)."""
         mine = self.placement.replica_share(examples)  # this engine's share of its DP rank's prompts
-        streamed = self._stream_scores(mine, f"step {step + 1} prompt") if mine else None
+        streamed = self.scorer.stream(mine, f"step {step + 1} prompt") if mine else None
         start = time.time()
         result = self.engine.generate(  # the ranks of one engine sample with one seed: the same responses
             [e.prompt_ids for e in mine],
             self.session.sampling(n=self.config.rollout.samples_per_prompt, temperature=self.config.rollout.temperature,
-                                  seed=_rollout_seed(self._sampling_seed, step, self.placement.leader_rank)),
+                                  seed=rollout_seed(self._sampling_seed, step, self.placement.leader_rank)),
             on_finished=streamed.on_finished if streamed is not None else None,
         ) if mine else None
         done = time.time()
@@ -233,7 +178,7 @@ class RLTrainer:
         counts twice."""
         p = self.placement
         with timeline.phase("reward"):
-            own = self._score(mine, result.token_ids, result.finish_reasons, p.index_in_replica,
+            own = self.scorer.score(mine, result.token_ids, result.finish_reasons, p.index_in_replica,
                               p.engines_per_replica, streamed) if mine else []
             if self.mp_size > 1:
                 gathered: list[list[Sample]] = [None] * self.mp_size
@@ -391,34 +336,10 @@ class RLTrainer:
             hidden_tokens=feature_rows if mcore.stage_info().tp_rank == 0 else 0, reward_pool=pool,
             speedup_estimate=result.speedup_estimate if result is not None and leader else None)
 
-    # ------------------------------------------------------------------ evaluation
-
     def evaluate(self) -> dict[str, float] | None:
         """Held-out accuracy, greedy and sampled (collective; rank 0 gets the numbers)."""
-        if not self.held_out:
-            return None
-        mine = self.placement.world_share(self.held_out)
-        counts = torch.zeros(3, dtype=torch.float64)  # on the CPU on purpose: reduced over gloo
-        if mine:
-            prompts = [e.prompt_ids for e in mine]
-            greedy_scores = self._stream_scores(mine, "held-out greedy prompt")
-            greedy = self.engine.generate(prompts, self.session.sampling(n=1, temperature=0.0, seed=None),
-                                          on_finished=greedy_scores.on_finished if greedy_scores else None)
-            sampled_scores = self._stream_scores(mine, "held-out sampled prompt")
-            sampled = self.engine.generate(prompts, self.session.sampling(
-                n=EVAL_SAMPLES_PER_PROMPT, temperature=self.config.rollout.temperature,
-                seed=_rollout_seed(self.config.trainer.seed, _EVAL_SEED_STEP, self.placement.leader_rank)),
-                on_finished=sampled_scores.on_finished if sampled_scores else None)
-            counts[0] = sum(s.correct for s in self._score(mine, greedy.token_ids, greedy.finish_reasons, 0, 1,
-                                                           greedy_scores))
-            counts[1] = sum(s.correct for s in self._score(mine, sampled.token_ids, sampled.finish_reasons, 0, 1,
-                                                           sampled_scores))
-            counts[2] = len(mine)
-        if not self.placement.is_leader:  # the engine's other ranks saw the same answers
-            counts.zero_()
-        dist.all_reduce(counts)
-        return {"eval/greedy_accuracy": counts[0].item() / counts[2].item(),
-                "eval/sampled_accuracy": counts[1].item() / (EVAL_SAMPLES_PER_PROMPT * counts[2].item())}
+        return held_out_accuracy(self.held_out, self.engine, self.session, self.placement, self.scorer,
+                                 temperature=self.config.rollout.temperature, seed=self.config.trainer.seed)
 
     # ------------------------------------------------------------------ the loop
 

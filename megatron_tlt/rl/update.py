@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_tlt import mcore
 from megatron_tlt.config import AlgorithmConfig
 from megatron_tlt.device import module_device, to_device
-from megatron_tlt.lm_training import check_microbatch_shapes, length_sorted_chunks, token_width
+from megatron_tlt.model import mcore
+from megatron_tlt.model.lm_training import check_microbatch_shapes, length_sorted_chunks, token_width
 from megatron_tlt.rl import losses
 from megatron_tlt.rl.actor import CapturedFeatures, FeatureCapture
 

@@ -21,9 +21,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_tlt import mcore, weights
 from megatron_tlt.device import module_device
-from megatron_tlt.model_config import PolicyArchitecture
+from megatron_tlt.formats import weights
+from megatron_tlt.model import mcore
+from megatron_tlt.model.architecture import PolicyArchitecture
 from megatron_tlt.spec.metrics import SpecDecodeStats
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_tlt.model_config import PolicyArchitecture
+from megatron_tlt.model.architecture import PolicyArchitecture
 
 if TYPE_CHECKING:
     import torch

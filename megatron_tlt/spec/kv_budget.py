@@ -21,8 +21,8 @@ import dataclasses
 import math
 
 from megatron_tlt.config import RolloutEngineConfig, TLTConfig
-from megatron_tlt.model_config import PolicyArchitecture
-from megatron_tlt.plan_memory import DTYPE_BYTES, FP32, kv_cache_bytes_per_token
+from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.plan.memory import DTYPE_BYTES, FP32, kv_cache_bytes_per_token
 
 GIB = 1 << 30
 VLLM_CPU_BLOCK_SIZE = 128

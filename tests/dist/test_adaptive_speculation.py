@@ -14,8 +14,8 @@ import pytest
 from lossless_sampling import NUM_SAMPLES, PROMPT, SIGNIFICANCE, goodness_of_fit_p_values
 
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.model_config import architecture_from_dict
-from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
+from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
 K = 3
 PROMPTS = [[i, i + 1] for i in range(1, 9)]
@@ -48,8 +48,8 @@ class _DepthCostClock:
 
 def _adaptive_engine_on_rank(workdir: str):
     from megatron_tlt.config import SpeculationConfig
-    from megatron_tlt.spec.adaptive_scheduler import depth_policy_for
     from megatron_tlt.parallel import ParallelLayout
+    from megatron_tlt.spec.adaptive_scheduler import depth_policy_for
     from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings, SpeculativeSettings
 
     arch = architecture_from_dict(TINY_LLAMA_ROLLOUT)

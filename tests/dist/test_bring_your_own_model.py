@@ -17,7 +17,7 @@ import subprocess
 import pytest
 import torch
 
-from megatron_tlt.hf_io import HFCheckpointReader
+from megatron_tlt.formats.hf_io import HFCheckpointReader
 
 HANG_GUARD_S = 840  # subprocess limits: hang guards only, under pytest.ini's 900 s a test
 TRAIN = ["--config", "hf", "parallel.data_parallel_size=1", "trainer.steps=2", "trainer.save_every=1",
@@ -40,8 +40,8 @@ def env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """(the HF model directory, a JSONL of chat-message prompts with their answers)."""
-    from megatron_tlt.rl import synthetic_task
-    from megatron_tlt.tiny_models import make_tiny_chat_model
+    from megatron_tlt.model.tiny_models import make_tiny_chat_model
+    from megatron_tlt.rl.tiny import synthetic_task
 
     root = tmp_path_factory.mktemp("byo")
     problems = synthetic_task.generate_problems(200, seed=5)
@@ -108,7 +108,7 @@ def test_the_exported_policy_holds_the_tokenizer_and_chat_template_of_the_policy
 def test_transformers_loads_the_exported_policy_as_it_is_and_renders_the_chat_as_the_run_did(chat_model, trained):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_tlt.tokenizer import load_tokenizer
+    from megatron_tlt.formats.tokenizer import load_tokenizer
 
     hf_dir, _ = chat_model
     _, policy_dir, _ = trained
@@ -140,8 +140,8 @@ def _serve_with_tokenizer_and_drafter(policy_dir: str, drafter_dir: str) -> dict
 
 def test_vllm_serves_the_exported_policy_with_its_tokenizer_and_the_exported_drafter_as_its_eagle_draft(chat_model,
                                                                                                       trained):
+    from megatron_tlt.formats.tokenizer import load_tokenizer
     from megatron_tlt.launcher import run_on_ranks
-    from megatron_tlt.tokenizer import load_tokenizer
 
     hf_dir, _ = chat_model
     _, policy_dir, drafter_dir = trained

@@ -9,8 +9,8 @@ greedy step, and its target's greedy chain is known in closed form (the output w
 import pytest
 
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.model_config import architecture_from_dict
-from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
+from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
 K = 3
 PROMPTS = [[i, i + 1] for i in range(1, 9)]

@@ -10,7 +10,7 @@ NUM_STEPS = 5
 
 
 def _fixed_microbatches():
-    from megatron_tlt.lm_training import LMMicroBatch
+    from megatron_tlt.model.lm_training import LMMicroBatch
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 250, (4, 17), generator=g)
@@ -20,9 +20,9 @@ def _fixed_microbatches():
 
 
 def _train_on_rank(ckpt_dir: str, tp: int, pp: int, build: dict | None = None, distributed_optimizer: bool = False):
-    from megatron_tlt import mcore, policy
-    from megatron_tlt.build_options import BuildOptions
-    from megatron_tlt.lm_training import lm_train_step
+    from megatron_tlt.model import mcore, policy
+    from megatron_tlt.model.build_options import BuildOptions
+    from megatron_tlt.model.lm_training import lm_train_step
     from megatron_tlt.parallel import ParallelLayout
 
     with ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp) as layout:
@@ -79,8 +79,8 @@ def test_sequence_parallelism_and_the_distributed_optimizer_keep_the_loss_curve(
 def _distributed_optimizer_round_trip_on_rank(ckpt_dir: str, state_dir: str):
     """Two steps; the optimizer state saved after the first, loaded into a fresh optimizer over the first step's
     weights, must reproduce the second step exactly."""
-    from megatron_tlt import mcore, policy
-    from megatron_tlt.lm_training import lm_train_step
+    from megatron_tlt.model import mcore, policy
+    from megatron_tlt.model.lm_training import lm_train_step
     from megatron_tlt.parallel import ParallelLayout
 
     with ParallelLayout() as layout:

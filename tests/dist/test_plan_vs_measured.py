@@ -39,11 +39,11 @@ def _measure_on_rank(cases: list[list[str]]) -> list[dict]:
     import torch
 
     from megatron_tlt import config as tlt_config
-    from megatron_tlt import mcore
-    from megatron_tlt.lm_training import LMMicroBatch, lm_train_step
-    from megatron_tlt.memory_meter import PeakMemoryMeter
-    from megatron_tlt.model_config import load_architecture
+    from megatron_tlt.model import mcore
+    from megatron_tlt.model.architecture import load_architecture
+    from megatron_tlt.model.lm_training import LMMicroBatch, lm_train_step
     from megatron_tlt.parallel import ParallelLayout
+    from megatron_tlt.plan.memory_meter import PeakMemoryMeter
 
     results = []
     for overrides in cases:
@@ -71,7 +71,7 @@ def _measure_on_rank(cases: list[list[str]]) -> list[dict]:
 
 def _planned(overrides: list[str], world: int) -> dict:
     """``tlt plan --config tiny --nodes 1 --gpus-per-node WORLD OVERRIDES``'s training-phase parts, in bytes."""
-    from megatron_tlt import plan_cli
+    from megatron_tlt.plan import cli as plan_cli
 
     args = plan_cli.build_parser().parse_args(["--config", "tiny", "--nodes", "1", "--gpus-per-node", str(world),
                                                *overrides])

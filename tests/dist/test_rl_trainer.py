@@ -164,7 +164,7 @@ def test_wandb_offline_got_the_scalars_tensorboard_got_and_the_resume_continued_
                                                                                        wandb_offline_history):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_tlt.rl.metric_loggers import scalar_metrics
+    from megatron_tlt.rl.run.metric_loggers import scalar_metrics
 
     fragments = wandb_offline_history(killed_run / "wandb")
     assert len(fragments) == 2 and fragments[0][0] == fragments[1][0]  # the killed process's and the resumed one's
@@ -333,9 +333,9 @@ def hf_run(env, tmp_path_factory):
     rewards and logs every reward; its other groups get distinct rewards of a tiny scale (about 1e-3), which
     RLOO keeps (advantage = reward minus the mean of the others) and GRPO would normalise to about 1.
     Returns (run directory, stderr, the reward log directory)."""
-    from megatron_tlt.rl import synthetic_task, tiny_default
-    from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, make_tiny_hf_model
-    from megatron_tlt.tokenizer import load_tokenizer
+    from megatron_tlt.formats.tokenizer import load_tokenizer
+    from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, make_tiny_hf_model
+    from megatron_tlt.rl.tiny import synthetic_task, tiny_default
 
     tmp_path = tmp_path_factory.mktemp("hf-run")
     tokenizer_dir = tiny_default.ensure_tokenizer(tmp_path / "tokenizer")
@@ -613,8 +613,8 @@ def _serve_exported_policy_with_drafter(hf_dir: str, drafter_dir: str, cache_dir
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from megatron_tlt.rl import tiny_default
-    from megatron_tlt.rl.artifact_cache import cache_root
+    from megatron_tlt.rl.run.artifact_cache import cache_root
+    from megatron_tlt.rl.tiny import tiny_default
 
     tokenizer = tiny_default.load_task_tokenizer(cache_root())
     prompts = [e.prompt_ids for e in tiny_default.rl_prompts(tokenizer, 16).examples]
@@ -640,7 +640,7 @@ def exported_policy(env, spot_run, tmp_path_factory):
 
 
 def test_the_exported_policy_matches_the_megatron_policy_of_the_run(spot_run, exported_policy, sample_input_ids):
-    from megatron_tlt.parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
+    from megatron_tlt.model.parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
 
     ckpt = spot_run / "checkpoints" / "step_000004" / "policy"
     assert megatron_vs_hf_max_abs_diff(ckpt, exported_policy, tp=1, pp=1, input_ids_bs=sample_input_ids) < PARITY_TOLERANCE

@@ -7,7 +7,7 @@ sync can make them agree with the policy.
 
 import pytest
 
-from megatron_tlt.hf_io import HFCheckpointReader
+from megatron_tlt.formats.hf_io import HFCheckpointReader
 from megatron_tlt.launcher import run_on_ranks
 
 # The last prompt is longer than a KV-cache block (16 on GPU, 128 on CPU): its first block is
@@ -17,11 +17,11 @@ NEW_TOKENS = 16
 
 
 def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str, eagle: bool = False, engine_tp: int = 1):
-    from megatron_tlt import policy
+    from megatron_tlt.model import policy
+    from megatron_tlt.model.tiny_models import next_token_fixture
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl.weight_sync import sync_policy_to_engine
     from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings, SpeculativeSettings
-    from megatron_tlt.tiny_models import next_token_fixture
 
     with ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp) as layout:
         model, meta = policy.load_policy_checkpoint(ckpt_dir)

@@ -22,12 +22,12 @@ LOGIT_IDS = [[3, 4, 100, 7, 9, 11, 13], [5, 6, 7, 8, 9, 10, 11]]  # 7 ids: padde
 
 def _one_layout(ckpt_dir: str, sequence_parallel: bool) -> dict:
     """Everything the RL paths compute with one policy, built with or without sequence parallelism."""
-    from megatron_tlt import mcore, policy
-    from megatron_tlt.build_options import BuildOptions
-    from megatron_tlt.rl.actor import compute_logprobs
     from megatron_tlt.config import AlgorithmConfig
+    from megatron_tlt.model import mcore, policy
+    from megatron_tlt.model.build_options import BuildOptions
+    from megatron_tlt.rl.actor import compute_logprobs
+    from megatron_tlt.rl.tiny.warmup import WarmupSchedule, run_warmup
     from megatron_tlt.rl.update import PolicySequence, policy_update_step
-    from megatron_tlt.rl.warmup import WarmupSchedule, run_warmup
 
     model, meta = policy.load_policy_checkpoint(ckpt_dir, options=BuildOptions(sequence_parallel=sequence_parallel),
                                                 per_token_loss=True)
@@ -62,9 +62,9 @@ def _one_layout(ckpt_dir: str, sequence_parallel: bool) -> dict:
 def _on_policy_and_after_a_log_prob_pass(ckpt_dir: str, sequence_parallel: bool) -> dict[bool, dict]:
     """One GRPO update from the checkpoint, capturing the drafter features: with the old log-probs of a log-prob
     pass (False) and on-policy, from the update's own forward (True)."""
-    from megatron_tlt import mcore, policy
-    from megatron_tlt.build_options import BuildOptions
     from megatron_tlt.config import AlgorithmConfig
+    from megatron_tlt.model import mcore, policy
+    from megatron_tlt.model.build_options import BuildOptions
     from megatron_tlt.rl.actor import compute_logprobs
     from megatron_tlt.rl.update import PolicySequence, policy_update_step
 
@@ -89,7 +89,7 @@ def _on_policy_and_after_a_log_prob_pass(ckpt_dir: str, sequence_parallel: bool)
 
 def _unpadded_batch_refusal(model, optimizer, vocab_size: int) -> str | None:
     """What ``lm_train_step`` says to a batch whose model input (3 tokens) does not split over 2 TP ranks."""
-    from megatron_tlt.lm_training import LMMicroBatch, lm_train_step
+    from megatron_tlt.model.lm_training import LMMicroBatch, lm_train_step
 
     tokens_bs = torch.ones(1, 4, dtype=torch.long)
     try:

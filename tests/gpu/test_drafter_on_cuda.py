@@ -5,8 +5,8 @@ unrolling over draft steps, and what it exports stays vLLM's tensors in bf16."""
 import pytest
 import torch
 
-from megatron_tlt.model_config import architecture_from_dict
-from megatron_tlt.tiny_models import TINY_LLAMA, next_token_fixture
+from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
 
 pytestmark = pytest.mark.needs("cuda")
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.tiny_models import hf_logprobs_and_features
-from megatron_tlt.parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
+from megatron_tlt.model.parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
+from megatron_tlt.model.tiny_models import hf_logprobs_and_features
 
 pytestmark = pytest.mark.needs("cuda", "megatron")
 
@@ -21,8 +21,8 @@ def test_megatron_logits_on_cuda_match_transformers_at_fp32(family, request, sam
 
 
 def _bf16_training_on_rank(ckpt_dir: str, num_steps: int):
-    from megatron_tlt import mcore, policy
-    from megatron_tlt.lm_training import LMMicroBatch, lm_train_step
+    from megatron_tlt.model import mcore, policy
+    from megatron_tlt.model.lm_training import LMMicroBatch, lm_train_step
     from megatron_tlt.parallel import ParallelLayout
 
     with ParallelLayout():
@@ -48,7 +48,7 @@ def test_bf16_policy_update_on_cuda_lowers_the_loss(llama_mcore_bf16):
 
 
 def _logprobs_on_rank(ckpt_dir: str):
-    from megatron_tlt import policy
+    from megatron_tlt.model import policy
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl.actor import compute_logprobs
 

@@ -2,9 +2,21 @@ import dataclasses
 
 import pytest
 
-from megatron_tlt.config import (AlgorithmConfig, ConfigError, DataConfig, DrafterConfig, ParallelConfig, RolloutConfig,
-                                 SpeculationConfig, TLTConfig, TrainerConfig, load_config, to_yaml, valid_keys,
-                                 world_size)
+from megatron_tlt.config import (
+    AlgorithmConfig,
+    ConfigError,
+    DataConfig,
+    DrafterConfig,
+    ParallelConfig,
+    RolloutConfig,
+    SpeculationConfig,
+    TLTConfig,
+    TrainerConfig,
+    load_config,
+    to_yaml,
+    valid_keys,
+    world_size,
+)
 
 
 def test_defaults_then_named_config_then_overrides_apply_in_order():
@@ -188,8 +200,8 @@ def test_help_config_prints_every_key_with_its_type_default_and_docstring(capsys
 
 
 def test_the_build_keys_become_the_policy_build_options():
-    from megatron_tlt.build_options import BuildOptions
     from megatron_tlt.config import build_options
+    from megatron_tlt.model.build_options import BuildOptions
 
     assert build_options(load_config(None)) == BuildOptions(attention="sdpa", recompute="none", sequence_parallel=False)
     config = load_config(None, ["model.attention=local", "trainer.recompute=selective",

@@ -5,14 +5,9 @@ import logging
 
 import pytest
 
-from megatron_tlt.rl.data import (
-    DataError,
-    PromptDataConfig,
-    PromptExample,
-    load_prompt_dataset,
-)
-from megatron_tlt.rl.sampler import PromptSampler
-from megatron_tlt.tokenizer import load_tokenizer, train_sentencepiece
+from megatron_tlt.formats.tokenizer import load_tokenizer, train_sentencepiece
+from megatron_tlt.rl.inputs.data import DataError, PromptDataConfig, PromptExample, load_prompt_dataset
+from megatron_tlt.rl.inputs.sampler import PromptSampler
 
 # Rejects chats that do not start with the user, to exercise a template refusing a row.
 CHAT_TEMPLATE = (
@@ -112,7 +107,7 @@ def test_each_kind_of_bad_row_is_counted_by_reason_reported_and_skipped(tmp_path
         {"prompt": [{"role": "user", "content": "What is 5 plus 5?"}], "answer": "10"},  # 14 good chat
     ]
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
-    with caplog.at_level(logging.WARNING, logger="megatron_tlt.rl.data"):
+    with caplog.at_level(logging.WARNING, logger="megatron_tlt.rl.inputs.data"):
         dataset = load_prompt_dataset(path, chat_tokenizer, PromptDataConfig(max_prompt_tokens=64))
     report = dataset.report
     assert (report.num_rows, report.num_kept, report.num_skipped) == (14, 2, 12)

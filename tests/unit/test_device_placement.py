@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from megatron_tlt.device import compute_device, module_device, to_device
-from megatron_tlt.lm_training import LMMicroBatch, token_width
+from megatron_tlt.model.lm_training import LMMicroBatch, token_width
 from megatron_tlt.parallel import ParallelLayout
 from megatron_tlt.rl.actor import pad_sequences
+from megatron_tlt.rl.tiny.warmup import length_sorted_microbatches
 from megatron_tlt.rl.update import PolicyMicroBatch, PolicySequence, make_microbatch, make_microbatches
-from megatron_tlt.rl.warmup import length_sorted_microbatches
 
 META = torch.device("meta")
 CPU = torch.device("cpu")

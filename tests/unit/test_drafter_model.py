@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from megatron_tlt.drafter.model import EagleDrafter, draft_step_masks, index_in_segment
-from megatron_tlt.model_config import architecture_from_dict
+from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.model.tiny_models import TINY_LLAMA, TINY_QWEN2, next_token_fixture
 from megatron_tlt.spec.eagle import DrafterMismatch, eagle_drafter_config, expected_drafter_shapes, validate_drafter
-from megatron_tlt.tiny_models import TINY_LLAMA, TINY_QWEN2, next_token_fixture
 
 LLAMA = architecture_from_dict(TINY_LLAMA)
 QWEN2 = architecture_from_dict(TINY_QWEN2)

@@ -10,10 +10,17 @@ import pytest
 import torch
 
 from megatron_tlt.drafter.model import EagleDrafter
-from megatron_tlt.drafter.precision import (TORCHAO, TRANSFORMER_ENGINE, DrafterPrecision, backend_import_error,
-                                            choose_fp8_backend, fp8_unavailable_reason, resolve_precision)
-from megatron_tlt.model_config import architecture_from_dict
-from megatron_tlt.tiny_models import TINY_LLAMA, next_token_fixture
+from megatron_tlt.drafter.precision import (
+    TORCHAO,
+    TRANSFORMER_ENGINE,
+    DrafterPrecision,
+    backend_import_error,
+    choose_fp8_backend,
+    fp8_unavailable_reason,
+    resolve_precision,
+)
+from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA = architecture_from_dict(TINY_LLAMA)

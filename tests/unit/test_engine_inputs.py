@@ -3,11 +3,17 @@
 import pytest
 import torch
 
-from megatron_tlt.model_config import architecture_from_dict
+from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.model.tiny_models import TINY_LLAMA, TINY_LLAMA_ROLLOUT, next_token_fixture
 from megatron_tlt.spec.eagle import DrafterMismatch, validate_drafter
-from megatron_tlt.spec.engine import EngineError, RolloutEngine, RolloutEngineConfig, SpeculativeSettings, check_engine_supports
+from megatron_tlt.spec.engine import (
+    EngineError,
+    RolloutEngine,
+    RolloutEngineConfig,
+    SpeculativeSettings,
+    check_engine_supports,
+)
 from megatron_tlt.spec.metrics import SpecDecodeStats, acceptance_collapsed
-from megatron_tlt.tiny_models import TINY_LLAMA, TINY_LLAMA_ROLLOUT, next_token_fixture
 
 ARCH = architecture_from_dict(TINY_LLAMA_ROLLOUT)
 

@@ -76,13 +76,13 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-# The tiny default's own modules, and the one task source that serves them (rl/tiny_source.py).
-TINY_DEFAULT_MODULES = {f"megatron_tlt.rl.{m}" for m in ("tiny_default", "synthetic_task", "shipped_start", "warmup")}
-TINY_DEFAULT_IMPORTERS = TINY_DEFAULT_MODULES | {"megatron_tlt.rl.tiny_source", "checkpoints_tools.ship_tiny_default"}
+# The tiny default's own modules, and the one task source that serves them (rl/tiny/tiny_source.py).
+TINY_DEFAULT_MODULES = {f"megatron_tlt.rl.tiny.{m}" for m in ("tiny_default", "synthetic_task", "shipped_start", "warmup")}
+TINY_DEFAULT_IMPORTERS = TINY_DEFAULT_MODULES | {"megatron_tlt.rl.tiny.tiny_source", "checkpoints_tools.ship_tiny_default"}
 
 
 def test_only_the_tiny_default_imports_its_modules():
-    """A run's task comes through its task source (rl/task.py): nothing else reaches the tiny default."""
+    """A run's task comes through its task source (rl/inputs/task.py): nothing else reaches the tiny default."""
     graph = _imports()
     for path in (PACKAGE_DIR.parent / "checkpoints_tools").glob("*.py"):
         graph[f"checkpoints_tools.{path.stem}"] = _package_imports(path, graph)
@@ -99,19 +99,22 @@ def test_the_layers_are_what_the_readme_says():
     assert _layer("megatron_tlt.cli") == "cli"
 
 
-def _readme_layout_block() -> str:
-    readme = (PACKAGE_DIR.parent / "README.md").read_text()
-    start = readme.index("megatron_tlt/         the library")
-    return readme[start:readme.index("checkpoints_tools/", start)]
+def _layout_block() -> str:
+    """The package's layout as docs/architecture.md draws it."""
+    page = (PACKAGE_DIR.parent / "docs" / "architecture.md").read_text()
+    start = page.index("megatron_tlt/         the library")
+    return page[start:page.index("checkpoints_tools/", start)]
 
 
-def test_readme_layout_names_every_module_and_only_modules_that_exist():
+def test_the_documented_layout_names_every_module_and_only_modules_that_exist():
     import re
 
-    block = _readme_layout_block()
-    modules = {str(p.relative_to(PACKAGE_DIR)) for p in PACKAGE_DIR.rglob("*.py") if p.name != "__init__.py"}
-    named = set(re.findall(r"(?<![\w/])((?:commands|rl|drafter|spec)/\w+\.py|\w+\.py)", block))
-    # a bare name on a line of one package (e.g. "adaptive_scheduler.py" beside spec/engine.py) is that package's
-    resolved = {n if n in modules or "/" in n else next((m for m in modules if m.endswith("/" + n)), n) for n in named}
-    assert sorted(modules - resolved) == [], "modules README's layout does not mention"
-    assert sorted(resolved - modules) == [], "files README's layout names that do not exist"
+    modules = {p.relative_to(PACKAGE_DIR).as_posix() for p in PACKAGE_DIR.rglob("*.py") if p.name != "__init__.py"}
+    named = set()
+    for line in _layout_block().splitlines():
+        paths = re.findall(r"(?<![\w/])((?:\w+/)*\w+\.py)", line)
+        # a bare name on a line of one package (e.g. "adaptive_scheduler.py" beside spec/engine.py) is that package's
+        package = next((p.rsplit("/", 1)[0] + "/" for p in paths if "/" in p), "")
+        named.update(p if "/" in p or not package else package + p for p in paths)
+    assert sorted(modules - named) == [], "modules docs/architecture.md's layout does not mention"
+    assert sorted(named - modules) == [], "files docs/architecture.md's layout names that do not exist"

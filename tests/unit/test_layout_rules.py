@@ -8,12 +8,12 @@ import json
 import pytest
 
 from megatron_tlt import layout_rules
-from megatron_tlt import plan as P
-from megatron_tlt import plan_cli
 from megatron_tlt.config import ConfigError, load_config
 from megatron_tlt.layout_rules import LayoutError, check_run_layout
-from megatron_tlt.model_config import ModelConfigError, architecture_from_dict
-from megatron_tlt.plan_model import PlanError
+from megatron_tlt.model.architecture import ModelConfigError, architecture_from_dict
+from megatron_tlt.plan import cli as plan_cli
+from megatron_tlt.plan import search as P
+from megatron_tlt.plan.model import PlanError
 
 # 8 heads, 4 KV heads, 4 layers; intermediate_size 170 is divisible by 2 but not by 4
 MODEL = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from megatron_tlt.config import LOGGERS, ConfigError, load_config
-from megatron_tlt.rl.metric_loggers import SINK_OPENERS, WANDB_DIR, WANDB_RUN_ID_FILE, open_metric_loggers, scalar_metrics
+from megatron_tlt.rl.run.metric_loggers import (
+    SINK_OPENERS,
+    WANDB_DIR,
+    WANDB_RUN_ID_FILE,
+    open_metric_loggers,
+    scalar_metrics,
+)
 
 RECORDS = [
     {"step": 1, "reward_mean": 0.25, "rollout_idle_share": [0.125, 0.0], "drafter/failed": False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_tlt.config import ConfigError, load_config
-from megatron_tlt.lm_training import length_sorted_chunks
+from megatron_tlt.model.lm_training import length_sorted_chunks
 
 # A long-tail batch: many short answers, a few long ones.
 LENGTHS = [12, 300, 15, 11, 40, 13, 120, 14, 16, 10]

@@ -10,11 +10,11 @@ import json
 
 import pytest
 
-from megatron_tlt import plan as P
-from megatron_tlt import plan_cli
-from megatron_tlt import plan_memory as M
-from megatron_tlt.model_config import architecture_from_dict
-from megatron_tlt.plan_model import MODELS_DIR, PlanError, count_parameters, resolve_model, stage_parameters
+from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.plan import cli as plan_cli
+from megatron_tlt.plan import memory as M
+from megatron_tlt.plan import search as P
+from megatron_tlt.plan.model import MODELS_DIR, PlanError, count_parameters, resolve_model, stage_parameters
 
 LLAMA_70B = "llama-3.3-70b"
 FLAGSHIP = dict(sequence_parallel=True, recompute="full", distributed_optimizer=True, seq_len=9216,
@@ -348,7 +348,7 @@ def test_options_move_the_estimate_the_right_way(llama70b):
 
 
 def test_tiny_model_fits_trivially(capsys, tmp_path):
-    from megatron_tlt.tiny_models import TINY_LLAMA
+    from megatron_tlt.model.tiny_models import TINY_LLAMA
 
     arch = architecture_from_dict(TINY_LLAMA)
     chosen, _ = P.search_layouts(arch, nodes=1, gpus_per_node=2, options=P.PlanOptions(seq_len=256))

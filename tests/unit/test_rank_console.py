@@ -1,5 +1,5 @@
 """A rank's output with a log directory: everything in rank{N}.log, on the console only what a user watches
-(``rank_logs.RankOutput``), and the step's console lines of ``tlt train`` (``rl/run_dir.py``)."""
+(``rank_logs.RankOutput``), and the step's console lines of ``tlt train`` (``rl/run/run_dir.py``)."""
 
 import logging
 import math
@@ -8,7 +8,7 @@ import sys
 import warnings
 
 from megatron_tlt.rank_logs import RankLogSettings, RankOutput, console, silence_known_harmless_records
-from megatron_tlt.rl.run_dir import eval_line, tlt_line
+from megatron_tlt.rl.run.run_dir import eval_line, tlt_line
 
 
 def test_the_log_holds_every_record_warning_and_raw_write_and_the_console_our_warnings_and_all_errors(
@@ -25,7 +25,7 @@ def test_the_log_holds_every_record_warning_and_raw_write_and_the_console_our_wa
         assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"
         logging.getLogger("vllm.engine").info("engine ready")
         logging.getLogger("vllm.engine").warning("a vllm warning")
-        logging.getLogger("megatron_tlt.rl.data").warning("skipped bad prompt rows")
+        logging.getLogger("megatron_tlt.rl.inputs.data").warning("skipped bad prompt rows")
         logging.getLogger("vllm.engine").error("a vllm error")
         with warnings.catch_warnings():
             warnings.simplefilter("always")

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tlt.rl import ray_cluster, synthetic_task
-from megatron_tlt.rl.reward_pool import RewardPool, Score, StreamedScores
-from megatron_tlt.rl.rewards import exact_match_reward
+from megatron_tlt.rl.rewards import ray_cluster
+from megatron_tlt.rl.rewards.functions import exact_match_reward
+from megatron_tlt.rl.rewards.pool import RewardPool, Score, StreamedScores
+from megatron_tlt.rl.tiny import synthetic_task
 
 HELPERS = Path(__file__).parent / "helpers"
 REWARD = "faulty_rewards:misbehaving"
@@ -74,7 +75,7 @@ GOOD = [("x\n#### 7", "7"), ("x\n#### 8", "7"), ("The answer is 7", "7")]
 
 
 def test_a_reward_that_runs_past_the_time_out_gets_the_failure_value_and_its_worker_is_replaced(pool, caplog):
-    with caplog.at_level(logging.WARNING, logger="megatron_tlt.rl.reward_pool"):
+    with caplog.at_level(logging.WARNING, logger="megatron_tlt.rl.rewards.pool"):
         scores = _score_all(pool, [("hang", "7"), *GOOD])
     assert scores == [Score(-1.0, "timeout", f"no reward after {TIMEOUT_S:g} s"), Score(1.0), Score(0.0), Score(0.0)]
     assert "reward of item 0: no reward after 5 s; it gets -1; its worker is replaced" in caplog.text
@@ -84,7 +85,7 @@ def test_a_reward_that_runs_past_the_time_out_gets_the_failure_value_and_its_wor
 
 
 def test_a_worker_that_dies_mid_response_is_replaced_and_the_run_goes_on(pool, caplog):
-    with caplog.at_level(logging.WARNING, logger="megatron_tlt.rl.reward_pool"):
+    with caplog.at_level(logging.WARNING, logger="megatron_tlt.rl.rewards.pool"):
         scores = _score_all(pool, [*GOOD, ("crash", "7"), *GOOD])
     assert scores[:3] == scores[4:] == [Score(1.0), Score(0.0), Score(0.0)]
     crashed = scores[3]
@@ -105,8 +106,8 @@ def test_a_reward_that_raises_gets_the_failure_value_and_keeps_its_worker(pool):
 def test_the_pool_gives_the_default_tasks_responses_the_same_rewards_as_inline_scoring(ray_instance, tmp_path):
     """Responses as the engine hands them over (token ids, prompt by prompt, in the order they finish), decoded
     with the default task's tokenizer: right, wrong, in the other answer format, cut short."""
-    from megatron_tlt.rl import tiny_default
-    from megatron_tlt.tokenizer import load_tokenizer
+    from megatron_tlt.formats.tokenizer import load_tokenizer
+    from megatron_tlt.rl.tiny import tiny_default
 
     tokenizer = load_tokenizer(tiny_default.ensure_tokenizer(tmp_path / "tokenizer"))
     problems = synthetic_task.generate_problems(24, seed=3)

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from megatron_tlt.rl.rewards import (
+from megatron_tlt.rl.rewards.functions import (
     RewardError,
     exact_match_reward,
     extract_final_answer,

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron_tlt.rl import shipped_start
+from megatron_tlt.rl.tiny import shipped_start
 
 
 def _ship(root, name, files):
@@ -50,8 +50,8 @@ def test_the_tiny_default_starts_from_the_shipped_policy_and_drafter(tmp_path):
     or cold-start recipe) must ship new ones (``python -m checkpoints_tools.ship_tiny_default``)."""
     from megatron_tlt.commands.start import cold_start_drafter
     from megatron_tlt.config import load_config
-    from megatron_tlt.rl import tiny_default
-    from megatron_tlt.rl.tiny_source import warmed_up_dir
+    from megatron_tlt.rl.tiny import tiny_default
+    from megatron_tlt.rl.tiny.tiny_source import warmed_up_dir
 
     shipped = set(shipped_start.read_manifest()["entries"])
     config = load_config("tiny", [f"warmup.cache_dir={tmp_path}"])

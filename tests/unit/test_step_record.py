@@ -3,9 +3,9 @@ reward pool's."""
 
 import dataclasses
 
-from megatron_tlt.rl.step_record import RankStepReport, RewardPoolReport, step_record
+from megatron_tlt.rl.run.step_record import RankStepReport, RewardPoolReport, step_record
 from megatron_tlt.spec.metrics import SpecDecodeStats
-from megatron_tlt.timeline import BUSY, RankTimeline
+from megatron_tlt.timeline.spans import BUSY, RankTimeline
 
 
 def _report(rank: int, probe: SpecDecodeStats | None = None, alarm: bool = False,
@@ -90,7 +90,7 @@ def test_acceptance_pools_every_engines_drafts_not_their_rates():
 def test_a_step_whose_drafter_trained_names_its_precision_and_keeps_the_name_out_of_the_scalars():
     from megatron_tlt.drafter.spot import SpotReport
     from megatron_tlt.drafter.tlt_drafter import TailReport
-    from megatron_tlt.rl.metric_loggers import scalar_metrics
+    from megatron_tlt.rl.run.metric_loggers import scalar_metrics
 
     stats = {"loss": 1.0, "top1_agreement": 0.5, "tokens": 10.0, "dropped_steps": 0, "buffer_tokens": 20}
     trained = [dataclasses.replace(_report(rank), tail=TailReport(spot=SpotReport(micro_steps=1, tokens=10),

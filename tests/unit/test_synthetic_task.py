@@ -6,7 +6,8 @@ from dataclasses import FrozenInstanceError
 
 import pytest
 
-from megatron_tlt.rl.synthetic_task import (
+from megatron_tlt.formats.tokenizer import load_tokenizer, train_sentencepiece
+from megatron_tlt.rl.tiny.synthetic_task import (
     ANSWER_MARKER,
     OTHER_ANSWER_PREFIX,
     PROMPT_SUFFIX,
@@ -20,7 +21,6 @@ from megatron_tlt.rl.synthetic_task import (
     with_checks,
     with_other_answer_format,
 )
-from megatron_tlt.tokenizer import load_tokenizer, train_sentencepiece
 
 NUM_PROBLEMS = 2000
 CONTEXT_TOKENS = 256
@@ -167,7 +167,7 @@ def test_the_problem_record_holds_prompt_solution_answer_and_steps():
 
 
 def test_the_warmup_corpus_states_the_configured_share_of_answers_in_the_other_format(task_tokenizer):
-    from megatron_tlt.rl.tiny_default import warmup_sequences
+    from megatron_tlt.rl.tiny.tiny_default import warmup_sequences
 
     mixed = warmup_sequences(task_tokenizer, 400, other_answer_format_share=0.35)
     assert mixed == warmup_sequences(task_tokenizer, 400, other_answer_format_share=0.35)  # seeded
@@ -201,7 +201,7 @@ def _num_checks(text: str) -> int:
 
 
 def test_the_warmup_corpus_checks_at_the_configured_rate_within_the_response_budget(task_tokenizer):
-    from megatron_tlt.rl.tiny_default import warmup_sequences
+    from megatron_tlt.rl.tiny.tiny_default import warmup_sequences
 
     plain = warmup_sequences(task_tokenizer, 2000, other_answer_format_share=0.35)
     checked = warmup_sequences(task_tokenizer, 2000, other_answer_format_share=0.35, check_share=0.25)

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from megatron_tlt.rl import run_dir as run_files
-from megatron_tlt.rl.metric_loggers import MetricLoggers
-from megatron_tlt.timeline import BUSY, IDLE, TRAINING, RankTimeline
-from megatron_tlt.timeline_plot import STATE_COLOURS, plot_step_timeline
+from megatron_tlt.rl.run import run_dir as run_files
+from megatron_tlt.rl.run.metric_loggers import MetricLoggers
+from megatron_tlt.timeline.plot import STATE_COLOURS, plot_step_timeline
+from megatron_tlt.timeline.spans import BUSY, IDLE, TRAINING, RankTimeline
 
 T0 = 1_795_000_000.123456  # a wall-clock time of 2026, at time.time()'s resolution
 
@@ -98,7 +98,7 @@ def test_views_left_for_a_checkpoint_are_brought_up_to_date_by_the_next_one_or_b
 
 
 def test_spans_that_meet_in_the_records_meet_in_the_trace_and_never_overlap_on_a_track():
-    from megatron_tlt.timeline_trace import chrome_trace
+    from megatron_tlt.timeline.trace import chrome_trace
 
     spans = [s for step in synthetic_run(2) for s in step]
     events = [e for e in chrome_trace(spans)["traceEvents"] if e["ph"] == "X"]

@@ -6,9 +6,9 @@ import re
 import pytest
 
 from megatron_tlt.config import load_config
-from megatron_tlt.rl import synthetic_task, tiny_default
-from megatron_tlt.rl.tiny_source import warmed_up_dir
-from megatron_tlt.tokenizer import load_tokenizer
+from megatron_tlt.formats.tokenizer import load_tokenizer
+from megatron_tlt.rl.tiny import synthetic_task, tiny_default
+from megatron_tlt.rl.tiny.tiny_source import warmed_up_dir
 
 DEEP = ["model.tiny.num_layers=16", "model.tiny.hidden_size=64", "model.tiny.num_attention_heads=2",
         "model.tiny.num_key_value_heads=1", "model.tiny.intermediate_size=192"]

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from megatron_tlt.tokenizer import TokenizerError, load_tokenizer, train_sentencepiece
+from megatron_tlt.formats.tokenizer import TokenizerError, load_tokenizer, train_sentencepiece
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}{% endfor %}"

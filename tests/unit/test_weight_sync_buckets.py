@@ -1,9 +1,9 @@
 import math
 
-from megatron_tlt import weights
-from megatron_tlt.model_config import architecture_from_dict
+from megatron_tlt.formats import weights
+from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, TINY_QWEN2
 from megatron_tlt.rl.weight_sync import _plan_buckets
-from megatron_tlt.tiny_models import TINY_LLAMA_ROLLOUT, TINY_QWEN2
 
 
 def test_buckets_cover_every_tensor_once_in_order_within_one_stage_and_the_size_bound():

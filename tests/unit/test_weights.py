@@ -2,9 +2,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_tlt import weights
-from megatron_tlt.model_config import architecture_from_dict
-from megatron_tlt.tiny_models import TINY_LLAMA, TINY_QWEN2
+from megatron_tlt.formats import weights
+from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.model.tiny_models import TINY_LLAMA, TINY_QWEN2
 
 
 def test_fused_qkv_groups_each_kv_head_with_its_query_heads():
@@ -48,7 +48,7 @@ def test_pipeline_stage_names_map_to_global_layer_numbers_and_back():
 
 
 def test_name_tables_cover_exactly_the_tensors_transformers_saves(tiny_llama_dir, tiny_qwen2_dir):
-    from megatron_tlt.hf_io import HFCheckpointReader
+    from megatron_tlt.formats.hf_io import HFCheckpointReader
 
     for config, model_dir in ((TINY_LLAMA, tiny_llama_dir), (TINY_QWEN2, tiny_qwen2_dir)):
         arch = architecture_from_dict(config)

@@ -1,7 +1,7 @@
 """A user reward for the trainer test of the equal-reward filter: every other group of 4 samples scored in
 a process gets equal rewards, the others distinct ones of a tiny scale, and every reward is logged.
 
-Groups are scored prompt by prompt, their samples one after another (``RLTrainer._score``), so the k-th
+Groups are scored prompt by prompt, their samples one after another (``ResponseScorer.score``, rl/scoring.py), so the k-th
 call of a process belongs to its group k // 4. Each process appends its rewards to its own file in
 ``$TLT_TEST_REWARD_LOG``. A test helper only: a real reward keeps no state and does no I/O.
 """

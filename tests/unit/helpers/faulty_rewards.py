@@ -6,7 +6,7 @@ The response text says what to do; any other text is scored by exact match, as t
 import os
 import time
 
-from megatron_tlt.rl.rewards import exact_match_reward
+from megatron_tlt.rl.rewards.functions import exact_match_reward
 
 HANG_SECONDS = 600  # far past any time-out the tests set: only the pool's kill ends it
 

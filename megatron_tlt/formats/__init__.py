@@ -1,0 +1,1 @@
+"""HF and Megatron weight, tokenizer and checkpoint formats."""

@@ -1,0 +1,1 @@
+"""The Megatron policy: its architecture, layer spec, build, checkpoints and forward."""

@@ -1,0 +1,1 @@
+"""`tlt plan`: the per-GPU memory estimate and the layout search."""

@@ -1,0 +1,1 @@
+"""Rewards: the functions, their Ray actor pool beside the rollout, and the Ray cluster."""

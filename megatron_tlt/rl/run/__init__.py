@@ -1,0 +1,1 @@
+"""A run's files: summary, progress, checkpoints, loggers, step records, cached artifacts."""
