@@ -46,8 +46,7 @@ class ResponseScorer:
 
     def __init__(self, data: DataConfig, tokenizer, reward_pool: RankRewardPool | None):
         self.reward_fn = get_reward_fn(data.reward)
-        self.pooled = bool(data.reward_workers)
-        self.tokenizer, self.reward_pool = tokenizer, reward_pool
+        self.tokenizer, self.reward_pool = tokenizer, reward_pool  # a pool exactly where data.reward_workers
 
     def _decode(self, response: list[int]) -> str:
         return self.tokenizer.decode(response, skip_special_tokens=True)
@@ -64,7 +63,7 @@ class ResponseScorer:
               streamed: StreamedScores | None = None) -> list[Sample]:
         """The samples with their rewards: from ``streamed`` (the pool) or scored here; none on an engine's
         non-leading ranks when a pool scores (their leader's pool has them)."""
-        if self.pooled and streamed is None:
+        if self.reward_pool is not None and streamed is None:
             return []
         pooled = streamed.scores() if streamed is not None else None
         samples = []

