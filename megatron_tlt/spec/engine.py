@@ -91,6 +91,9 @@ class RolloutResult:
     """Sequences in flight at each engine step (the long tail shows as a falling count)."""
     step_seconds: list[float] = dataclasses.field(default_factory=list)
     """Wall time of each engine step."""
+    step_started_at: list[float] = dataclasses.field(default_factory=list)
+    """Wall-clock start (``time.time()``, comparable across the ranks of a node, as the timeline's spans) of each
+    engine step: places a step against other ranks' drafter training (``drafter/neighbour_slowdown.py``)."""
     step_depths: list[int] = dataclasses.field(default_factory=list)
     """Speculation depth of each engine step where BEG-MAB chooses it (else empty)."""
     step_drafts: list[list[tuple[str, int]]] = dataclasses.field(default_factory=list)
@@ -469,14 +472,15 @@ class RolloutEngine:
         step_drafts = scheduler.drain_draft_log() if scheduler is not None else []
         estimate = None
         if scheduler is not None and not scheduler.pinned and len(step_log) == len(steps):  # one entry per step
-            timed = [(batch, depth, step_s) for (batch, depth), (_, step_s) in zip(step_log, steps)]
+            timed = [(batch, depth, step_s) for (batch, depth), (_, step_s, _) in zip(step_log, steps)]
             estimate = speedup_over_depth0(timed, scheduler.bandit.rate)
         return RolloutResult(
             step_depths=[depth for _, depth in step_log],
             step_drafts=step_drafts,
             speedup_estimate=estimate,
-            step_batch_sizes=[batch for batch, _ in steps],
-            step_seconds=[step_s for _, step_s in steps],
+            step_batch_sizes=[batch for batch, _, _ in steps],
+            step_seconds=[step_s for _, step_s, _ in steps],
+            step_started_at=[started_at for _, _, started_at in steps],
             token_ids=[[list(c.token_ids) for c in o.outputs] for o in outputs],
             finish_reasons=[[str(c.finish_reason) for c in o.outputs] for o in outputs],
             seconds=seconds,
@@ -485,21 +489,21 @@ class RolloutEngine:
 
     @contextlib.contextmanager
     def _timed_engine_steps(self, on_finished=None, prompt_of: dict[str, int] | None = None):
-        """Record (sequences in flight, seconds) for every engine step of one ``generate`` call, and hand
-        each finished request's responses to ``on_finished`` (its prompt's index from ``prompt_of``).
+        """Record (sequences in flight, seconds, wall-clock start) for every engine step of one ``generate`` call,
+        and hand each finished request's responses to ``on_finished`` (its prompt's index from ``prompt_of``).
 
         ``LLM.wait_for_completion`` drives ``llm_engine.step()`` in this process; wrapping it on the instance
         observes each step, and the requests it finished, without touching vLLM's scheduler.
         """
         engine = self._llm.llm_engine
         original_step = engine.step
-        steps: list[tuple[int, float]] = []
+        steps: list[tuple[int, float, float]] = []
 
         def timed_step():
             in_flight = engine.get_num_unfinished_requests()
-            started = time.perf_counter()
+            started_at, started = time.time(), time.perf_counter()
             outputs = original_step()
-            steps.append((in_flight, time.perf_counter() - started))
+            steps.append((in_flight, time.perf_counter() - started, started_at))
             if on_finished is not None:
                 for output in outputs:
                     if output.finished and output.request_id in prompt_of:
