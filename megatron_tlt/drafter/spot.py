@@ -101,13 +101,24 @@ class SpotTrainer:
 
     def __init__(self, micro_step: Callable[[Callable[[], bool]], int] | None, probe: DeviceIdleProbe,
                  may_train: Callable[[], bool] = lambda: True, duty_cycle: float = 1.0):
-        if not 0.0 < duty_cycle <= 1.0:
-            raise ValueError(f"duty_cycle must be in (0, 1], got {duty_cycle}")
+        self.set_duty_cycle(duty_cycle)
         self.micro_step = micro_step
-        self.rest_per_training_second = (1.0 - duty_cycle) / duty_cycle
         self.probe = probe
         self.may_train = may_train
         self.enabled = micro_step is not None
+
+    @property
+    def duty_cycle(self) -> float:
+        """Share of its idle time this rank may spend training (it rests the rest, between micro-steps)."""
+        return self._duty_cycle
+
+    def set_duty_cycle(self, duty_cycle: float) -> None:
+        """Change the duty cycle between rollouts (e.g. where this rank's training slows the ranks still
+        generating); the next ``wait_for_rollout_end`` rests by it."""
+        if not 0.0 < duty_cycle <= 1.0:
+            raise ValueError(f"duty_cycle must be in (0, 1], got {duty_cycle}")
+        self._duty_cycle = float(duty_cycle)
+        self.rest_per_training_second = (1.0 - duty_cycle) / duty_cycle
 
     def wait_for_rollout_end(self, timeline: RankTimeline, group=None) -> SpotReport:
         """Called when this rank's share is done; returns once every rank of ``group`` is done."""

@@ -47,9 +47,10 @@ class Clock:
         return Work()
 
 
-def _on_the_clock(monkeypatch, slowest_done: float, duty_cycle: float = 1.0, fail_on_call: int | None = None):
+def _on_the_clock(monkeypatch, slowest_done: float, duty_cycle: float = 1.0, fail_on_call: int | None = None,
+                  changed_duty_cycle: float | None = None):
     """One rank's wait for the end of the rollout on the exact clock; returns (report, timeline, the micro-steps
-    as (start, end, tokens))."""
+    as (start, end, tokens)). ``changed_duty_cycle``: set on the trainer after it is built, before the wait."""
     clock = Clock(slowest_done)
     monkeypatch.setattr(spot, "time", clock)
     monkeypatch.setattr(spot, "dist", clock)
@@ -69,7 +70,10 @@ def _on_the_clock(monkeypatch, slowest_done: float, duty_cycle: float = 1.0, fai
         return tokens
 
     timeline = RankTimeline(0)
-    report = SpotTrainer(micro_step, DeviceIdleProbe(None), duty_cycle=duty_cycle).wait_for_rollout_end(timeline)
+    trainer = SpotTrainer(micro_step, DeviceIdleProbe(None), duty_cycle=duty_cycle)
+    if changed_duty_cycle is not None:
+        trainer.set_duty_cycle(changed_duty_cycle)
+    report = trainer.wait_for_rollout_end(timeline)
     return report, timeline, steps
 
 
@@ -120,6 +124,23 @@ def test_a_duty_cycle_below_one_rests_between_micro_steps_in_proportion(monkeypa
     # the barrier completed while it rested: released at the next poll, not at the end of the rest
     assert steps[-1][2] == TOKENS and report.released_at == pytest.approx(1.0, abs=spot.POLL_SECONDS)
     _assert_every_moment_is_accounted_for(report, timeline)
+
+
+def test_a_duty_cycle_changed_between_rollouts_rests_by_the_new_one(monkeypatch):
+    report, timeline, steps = _on_the_clock(monkeypatch, slowest_done=1.0, duty_cycle=1.0, changed_duty_cycle=0.5)
+    for a, b in zip(steps, steps[1:]):  # each rest is (1 - 0.5) / 0.5 = 1 times the step before it
+        assert b[0] - a[1] == pytest.approx(FORWARD + BACKWARD, abs=spot.POLL_SECONDS), (a, b)
+    _assert_every_moment_is_accounted_for(report, timeline)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 1.5])
+def test_a_duty_cycle_outside_zero_to_one_is_refused_and_the_old_one_kept(bad):
+    trainer = SpotTrainer(None, DeviceIdleProbe(None), duty_cycle=0.25)
+    with pytest.raises(ValueError, match="duty_cycle must be in"):
+        trainer.set_duty_cycle(bad)
+    assert trainer.duty_cycle == 0.25 and trainer.rest_per_training_second == pytest.approx(3.0)
+    trainer.set_duty_cycle(1.0)
+    assert trainer.duty_cycle == 1.0 and trainer.rest_per_training_second == 0.0
 
 
 # ---------------------------------------------------------------------------------------------- real ranks
