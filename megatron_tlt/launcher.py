@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from megatron_tlt.rank_logs import RankLogSettings, RankOutput, log_path
+from megatron_tlt.rank_logs import RankLogSettings, RankOutput, launch_records_to_file, log_path
 
 
 class WorkerFailed(RuntimeError):
@@ -219,16 +219,12 @@ def run_on_ranks(fn: Callable, nprocs: int, *args: Any, isolated: bool = False,
         monitor_interval=0.1,
         start_method=_start_method(),
     )
-    # The agent logs a failed rank's traceback: with rank logs, it is in the rank's file instead.
-    agent_logger = logging.getLogger("torch.distributed.elastic")
-    agent_level = agent_logger.level
-    if log_dir is not None and not logs.verbose:
-        agent_logger.setLevel(logging.CRITICAL)
     try:
-        return elastic_launch(config, _run_rank)(fn, _threads_per_rank(nprocs), logs, _launch_environment(), args)
+        # With rank logs, the console shows the failed rank's error once, from WorkerFailed: what the agent
+        # logs about it (its traceback, the ranks it terminates) goes to the log directory.
+        with launch_records_to_file(logs):
+            return elastic_launch(config, _run_rank)(fn, _threads_per_rank(nprocs), logs, _launch_environment(), args)
     except ChildFailedError as err:
         rank, first = err.get_first_failure()
         message = first.message.get("message") if isinstance(first.message, dict) else first.message
         raise WorkerFailed(_failure_message(str(message or err), logs, rank)) from None
-    finally:
-        agent_logger.setLevel(agent_level)

@@ -11,24 +11,31 @@ at INFO on the console, as well as in the file. Records of dependencies known to
 (``_KNOWN_HARMLESS_RECORDS``: vLLM's chat-renderer warm-up traceback in an engine without a tokenizer, torch's
 deprecation notices for enums torchao registers as it is imported) go nowhere.
 
+The launching process runs torch's elastic agent, which logs too: while its ranks run with a log directory
+(and without ``tlt -v``) those records go to ``launcher.log`` beside the ranks' logs (``launch_records_to_file``).
+
 Without a log directory (the commands that have no run directory) the console shows the records at the
 launching process's level, as it always did.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import logging.handlers
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
 _VERBOSE_FORMAT = "%(asctime)s [rank{rank}] %(name)s: %(message)s"  # the console's format before rank logs
 _FILE_FORMAT = "%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
 _CONSOLE_FORMAT = "[rank{rank}] %(levelname)s: %(message)s"
+_LAUNCHER_FORMAT = "%(asctime)s [launcher] %(levelname)s %(name)s: %(message)s"
 _OWN_LOGGERS = "megatron_tlt"
+LAUNCHER_LOG = "launcher.log"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +199,42 @@ def silence_known_harmless_records() -> None:
         named = logging.getLogger(name)
         if not any(isinstance(f, _HarmlessRecordFilter) for f in named.filters):
             named.addFilter(_HarmlessRecordFilter())
+
+
+# ---------------------------------------------------------------- the launching process's torch records
+
+_LAUNCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+"""torch's launch machinery, run by the launching process: the elastic agent, which logs a failed rank's error (its
+rank log holds it, with the traceback), and torch.multiprocessing's process context, which after a rank fails
+names each other rank it still finds alive ("Terminating process N via signal SIGTERM"): whether it finds one is a
+matter of timing, so a line the console shows only on a slow machine."""
+
+
+@contextlib.contextmanager
+def launch_records_to_file(settings: RankLogSettings) -> Iterator[None]:
+    """While ranks run with a log directory and without ``tlt -v``, what torch's launch machinery logs in this
+    process goes to ``launcher.log`` in that directory (created at its first record), never to the console.
+
+    The records stop at the ``_LAUNCH_LOGGERS`` (propagation off) whatever level torch's modules set on their
+    own loggers: torch's own handler, on the ``torch`` logger above them, prints to stderr."""
+    if settings.directory is None or settings.verbose:
+        yield
+        return
+    path = Path(settings.directory) / LAUNCHER_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8", delay=True)
+    handler.setFormatter(logging.Formatter(_LAUNCHER_FORMAT))
+    saved = [(logger, logger.propagate) for logger in map(logging.getLogger, _LAUNCH_LOGGERS)]
+    for logger, _ in saved:
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in saved:
+            logger.removeHandler(handler)
+            logger.propagate = propagate
+        handler.close()
 
 
 # ---------------------------------------------------------------- a rank's output

@@ -7,7 +7,14 @@ import os
 import sys
 import warnings
 
-from megatron_tlt.rank_logs import RankLogSettings, RankOutput, console, silence_known_harmless_records
+from megatron_tlt.rank_logs import (
+    LAUNCHER_LOG,
+    RankLogSettings,
+    RankOutput,
+    console,
+    launch_records_to_file,
+    silence_known_harmless_records,
+)
 from megatron_tlt.rl.run.run_dir import eval_line, tlt_line
 
 
@@ -56,6 +63,45 @@ def test_the_log_holds_every_record_warning_and_raw_write_and_the_console_our_wa
         "a progress line",
     ]
     assert console() is sys.stderr  # stop() gave the process its streams back
+
+
+def test_what_torchs_launcher_logs_while_ranks_run_with_logs_goes_to_the_launcher_log_and_not_the_console(
+        tmp_path, monkeypatch):
+    import torch.distributed.launcher.api  # noqa: F401  torch's loggers, as the launching process has them
+    import torch.multiprocessing.spawn  # noqa: F401
+
+    class Console(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    # Every way a record reaches the terminal: torch's own handler on the "torch" logger (which does not
+    # propagate), the root's handlers, and Python's last resort where a record finds no handler at all.
+    console_seen = Console()
+    monkeypatch.setattr(logging.getLogger("torch"), "handlers", [console_seen])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [console_seen])
+    monkeypatch.setattr(logging, "lastResort", console_seen)
+    # Where torch logs them (torch 2.13): a rank still alive after another failed, terminated by
+    # torch/multiprocessing/spawn.py's process context, and the agent, whose module sets its logger's own level.
+    spawn, agent = (logging.getLogger("torch.multiprocessing.spawn"),
+                    logging.getLogger("torch.distributed.elastic.agent.server.api"))
+    logs = tmp_path / "logs"
+    with launch_records_to_file(RankLogSettings(directory=str(logs), level=logging.WARNING)):
+        spawn.warning("Terminating process %s via signal SIGTERM", 4242)
+        agent.error("worker group FAILED")
+    with launch_records_to_file(RankLogSettings(directory=str(tmp_path / "verbose"), level=logging.INFO)):
+        spawn.warning("Terminating process %s via signal SIGTERM", 4343)  # tlt -v: the console shows it
+    spawn.warning("Terminating process %s via signal SIGTERM", 4444)  # after the launch: as torch had it
+
+    launcher_log = (logs / LAUNCHER_LOG).read_text()
+    assert "WARNING torch.multiprocessing.spawn: Terminating process 4242 via signal SIGTERM" in launcher_log
+    assert "ERROR torch.distributed.elastic.agent.server.api: worker group FAILED" in launcher_log
+    assert console_seen.lines == ["Terminating process 4343 via signal SIGTERM",
+                                  "Terminating process 4444 via signal SIGTERM"]
+    assert not (tmp_path / "verbose").exists()
 
 
 def test_eval_and_tlt_lines_name_the_step_and_its_figures():
