@@ -252,18 +252,23 @@ def test_resuming_on_another_dp_size_keeps_the_global_batches():
 
 def test_loading_a_state_for_other_data_or_seed_is_refused():
     state = PromptSampler(30, batch_prompts=6, dp_rank=0, dp_size=1, seed=1).state_dict()
-    with pytest.raises(ValueError, match="num_examples saved 30, now 29"):
+    with pytest.raises(ValueError, match="usable prompts 30 at the checkpoint, 29 now"):
         PromptSampler(29, batch_prompts=6, dp_rank=0, dp_size=1, seed=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="seed saved 1, now 2"):
+    with pytest.raises(ValueError, match="trainer.seed 1 at the checkpoint, 2 now"):
         PromptSampler(30, batch_prompts=6, dp_rank=0, dp_size=1, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"trainer.prompts_per_step 6 at the checkpoint, 5 now \(resume with the same"):
+        PromptSampler(30, batch_prompts=5, dp_rank=0, dp_size=1, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="out of range"):
         PromptSampler(30, batch_prompts=6, dp_rank=0, dp_size=1, seed=1).load_state_dict(state | {"step": 5})
 
 
-def test_impossible_sampler_layouts_are_rejected_with_the_fix():
-    with pytest.raises(ValueError, match="multiple of the DP size"):
+def test_impossible_sampler_layouts_are_rejected_naming_the_setting_to_change():
+    with pytest.raises(ValueError, match=r"trainer.prompts_per_step \(6\) must be a positive multiple of "
+                                         r"parallel.data_parallel_size \(4\)"):
         PromptSampler(30, batch_prompts=6, dp_rank=0, dp_size=4, seed=0)
     with pytest.raises(ValueError, match="dp_rank must be in"):
         PromptSampler(30, batch_prompts=6, dp_rank=2, dp_size=2, seed=0)
-    with pytest.raises(ValueError, match="fewer than batch_prompts"):
+    with pytest.raises(ValueError) as too_few:
         PromptSampler(5, batch_prompts=6, dp_rank=0, dp_size=1, seed=0)
+    assert str(too_few.value) == ("the dataset has 5 usable prompts, fewer than one step takes "
+                                  "(trainer.prompts_per_step=6): set trainer.prompts_per_step to at most 5 or add data")

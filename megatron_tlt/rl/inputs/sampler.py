@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+_SETTINGS = {"num_examples": "usable prompts", "batch_prompts": "trainer.prompts_per_step", "seed": "trainer.seed",
+             "shuffle": "shuffle"}
+"""What a user set for each value of the sampler's state, as its errors name it."""
+
 
 class PromptSampler:
     """Per-step batches of dataset positions for one DP rank; an iterator that never ends.
@@ -23,6 +27,9 @@ class PromptSampler:
     The position (epoch, step) is the next batch to hand out; ``state_dict``/``load_state_dict`` save and
     restore it. The global batches do not depend on ``dp_size``, so a run may resume on a different number
     of DP ranks and still see the same prompts per step.
+
+    Its errors name the settings the RL trainer fills it from (``_SETTINGS``): ``batch_prompts`` is
+    ``trainer.prompts_per_step``, ``dp_size`` is ``parallel.data_parallel_size`` and ``seed`` is ``trainer.seed``.
     """
 
     def __init__(
@@ -32,13 +39,14 @@ class PromptSampler:
             raise ValueError(f"dp_rank must be in [0, dp_size): got dp_rank={dp_rank}, dp_size={dp_size}")
         if batch_prompts < 1 or batch_prompts % dp_size:
             raise ValueError(
-                f"batch_prompts ({batch_prompts}) must be a positive multiple of the DP size ({dp_size}): "
-                "every DP rank gets the same number of prompts per step"
+                f"trainer.prompts_per_step ({batch_prompts}) must be a positive multiple of "
+                f"parallel.data_parallel_size ({dp_size}): every DP rank gets the same number of prompts per step"
             )
         if num_examples < batch_prompts:
             raise ValueError(
-                f"the dataset has {num_examples} usable prompts, fewer than batch_prompts ({batch_prompts}): "
-                "lower batch_prompts or add data"
+                f"the dataset has {num_examples} usable prompts, fewer than one step takes "
+                f"(trainer.prompts_per_step={batch_prompts}): set trainer.prompts_per_step to at most "
+                f"{num_examples} or add data"
             )
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
@@ -100,14 +108,14 @@ class PromptSampler:
         if missing:
             raise ValueError(f"sampler state lacks {', '.join(missing)}: not a PromptSampler state_dict")
         mismatched = [
-            f"{key} saved {state[key]!r}, now {getattr(self, key)!r}"
+            f"{_SETTINGS[key]} {state[key]!r} at the checkpoint, {getattr(self, key)!r} now"
             for key in ("num_examples", "batch_prompts", "seed", "shuffle")
             if state[key] != getattr(self, key)
         ]
         if mismatched:
             raise ValueError(
                 "cannot resume the prompt sampler: " + "; ".join(mismatched)
-                + " (resume with the same dataset, batch_prompts and seed)"
+                + " (resume with the same data, trainer.prompts_per_step and trainer.seed)"
             )
         epoch, step = int(state["epoch"]), int(state["step"])
         if epoch < 0 or not 0 <= step < self.steps_per_epoch:
