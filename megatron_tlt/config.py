@@ -414,6 +414,18 @@ class DrafterConfig:
     generation per step (0.3-0.4 s of a 3.5 s step with 4 prompts on the 2-core CPU)."""
     acceptance_alarm: float = 0.05
     """Accepted share of a rollout's (or probe's) draft tokens below which the alarm fires."""
+    quality_rows: int = 1024
+    """With speculation on: feature rows per rank of a held-out slice of each step's rollouts (the first sample
+    of each group, every group, in prompt order, whole sequences up to this many rows), never trained on. On
+    it, each step, the serving drafter, the run's starting drafter (the cold start) and a freshly trained
+    candidate are measured alike: teacher-forced acceptance per draft position and the expected acceptance
+    length at depth speculative_tokens, at the rollout's temperature (``drafter/quality.py``), beside the
+    policy's entropy; in summary.json as drafter/quality/* and on the step's TLT line. Costs one policy forward
+    over the slice. 0: off (and no push gate)."""
+    push_gate: bool = True
+    """A drafter trained online replaces the one the engines serve only when it measures at least as well on
+    the held-out slice (``quality_rows``); otherwise the serving one stays and training goes on
+    (drafter/pushes, drafter/pushes_declined). False: every trained drafter is pushed."""
 
     def __post_init__(self) -> None:
         if self.probe_prompts < 0 or not 0.0 <= self.acceptance_alarm <= 1.0:
@@ -424,6 +436,8 @@ class DrafterConfig:
                               f"{self.speculative_tokens}, {self.buffer_tokens}, {self.pack_tokens}")
         if self.unroll_steps < 1:
             raise ConfigError(f"drafter.unroll_steps must be >= 1 (1: no unrolling), got {self.unroll_steps}")
+        if self.quality_rows < 0:
+            raise ConfigError(f"drafter.quality_rows must be >= 0 (0: no held-out measure), got {self.quality_rows}")
         if self.lr <= 0 or (self.spot_lr is not None and self.spot_lr <= 0):
             raise ConfigError(f"drafter.lr and drafter.spot_lr must be > 0, got {self.lr}, {self.spot_lr}")
         if self.spot_duty_cycle is not None and not 0.0 < self.spot_duty_cycle <= 1.0:

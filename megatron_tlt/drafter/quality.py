@@ -154,14 +154,15 @@ def measure(drafter: EagleDrafter, sequences: Sequence[tuple[Sequence[int], Tens
             embedding_vh: Tensor, lm_head_vh: Tensor, depth: int, temperature: float, greedy_draft: bool,
             pack_tokens: int) -> AcceptanceTally:
     """The tally of held-out ``(token_ids, features_th, prompt_len)`` sequences (features as the log-prob pass
-    captures them: rows 0 .. len-2), packed as the drafter trains (``pack_tokens``)."""
-    prompt_lens = [prompt_len for _, _, prompt_len in sequences]
+    captures them: rows 0 .. len-2), each sequence in packs of its own, chunked as the drafter trains
+    (``pack_tokens``): packing several together would give the same figures at several times the attention's
+    cost (its masks span a pack's rows at every draft step)."""
     tally = AcceptanceTally.empty(depth)
-    for pack in pack_sequences([(ids, features) for ids, features, _ in sequences], pack_tokens):
-        # row t of a sequence reads x_{t+1} and drafts x_{t+2}: its chain is a decoding step once x_{t+1} is
-        # the prompt's last token or later, t >= prompt_len - 2
-        first_decode_t = torch.tensor([prompt_lens[pack.sequence_index_s[s]] - 2 for s in pack.segment_ids_t.tolist()])
-        tally = tally + measure_pack(drafter, pack, pack.position_ids_t >= first_decode_t, embedding_vh=embedding_vh,
-                                     lm_head_vh=lm_head_vh, depth=depth, temperature=temperature,
-                                     greedy_draft=greedy_draft)
+    for token_ids, features_th, prompt_len in sequences:
+        for pack in pack_sequences([(token_ids, features_th)], pack_tokens):
+            # row t reads x_{t+1} and drafts x_{t+2}: its chain is a decoding step once x_{t+1} is the prompt's
+            # last token or later, t >= prompt_len - 2
+            tally = tally + measure_pack(drafter, pack, pack.position_ids_t >= prompt_len - 2,
+                                         embedding_vh=embedding_vh, lm_head_vh=lm_head_vh, depth=depth,
+                                         temperature=temperature, greedy_draft=greedy_draft)
     return tally

@@ -28,7 +28,9 @@ import torch
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.device import compute_device
 from megatron_tlt.drafter import checkpoint_paths, checkpointer, store
+from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.precision import resolve_precision, start_up_line
+from megatron_tlt.drafter.serving import MeasureSettings, QualityReport, ServingDrafter
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotReport, SpotTrainer
 from megatron_tlt.drafter.trainer import DrafterTrainer
 from megatron_tlt.model.architecture import PolicyArchitecture
@@ -67,8 +69,19 @@ class TLTDrafter:
         self.tokens_trained = 0
         """Drafter training tokens over the whole run (kept in its checkpoints)."""
         self._serial_rows_owed = 0
+        self._trained_since_decision = 0
+        """Tokens trained since the gate last judged the drafter (0: the candidate is the one judged last)."""
         self.checkpointer, self.spot = None, None
-        self._load(start_step, rank=rank, world=world, is_reporter=is_reporter)
+        info = self._load(start_step, rank=rank, world=world, is_reporter=is_reporter)
+        self.serving = None
+        if d.speculative_tokens > 0 and d.quality_rows > 0:  # measured each step, pushed through the gate
+            settings = MeasureSettings(depth=d.speculative_tokens, temperature=config.rollout.temperature,
+                                       greedy_draft=config.speculation.draft_sampling == "greedy",
+                                       pack_tokens=d.pack_tokens, gate=d.push_gate)
+            self.serving = ServingDrafter(self.trainer.drafter, settings, pushes=int(info.get("pushes", 0)),
+                                          declined=int(info.get("pushes_declined", 0)))
+            if info:  # resumed: the reference is still the drafter the run started from
+                self.serving.set_reference(self._start_tensors(config))
         if d.spot_training:
             self.checkpointer = checkpointer.AsyncDrafterCheckpointer(run_dir, arch, rank=rank, world=world,
                                                                       keep=config.trainer.keep_checkpoints)
@@ -85,8 +98,9 @@ class TLTDrafter:
             return None
         return cls(config, arch, **kwargs)
 
-    def _load(self, start_step: int, *, rank: int, world: int, is_reporter: bool) -> None:
-        """A resumed run continues its own drafter; a new one starts from ``drafter.init_dir`` if set."""
+    def _load(self, start_step: int, *, rank: int, world: int, is_reporter: bool) -> dict:
+        """A resumed run continues its own drafter (the one its engines served); a new one starts from
+        ``drafter.init_dir`` if set. Returns the resumed checkpoint's info ({} for a new run)."""
         found = None
         if start_step > 0 and self.config.drafter.spot_training:
             found = checkpoint_paths.drafter_checkpoint_for(self.run_dir, start_step)
@@ -96,12 +110,21 @@ class TLTDrafter:
         if found is not None:
             step, directory = found
             self.trainer.drafter.load_tensors(store.read_drafter_tensors(directory, self.arch))
-            self.tokens_trained = int(store.read_drafter_info(directory).get("tokens_trained", 0))
+            info = store.read_drafter_info(directory)
+            self.tokens_trained = int(info.get("tokens_trained", 0))
             with_adam = checkpointer.load_adam_state(self.run_dir, step, self.trainer.optimizer, rank=rank, world=world)
             if is_reporter:
                 logger.info("drafter resumed from %s (Adam state %s)", directory, "restored" if with_adam else "fresh")
-        elif self.config.drafter.init_dir is not None:
+            return info
+        if self.config.drafter.init_dir is not None:
             self.trainer.drafter.load_tensors(store.read_drafter_tensors(self.config.drafter.init_dir, self.arch))
+        return {}
+
+    def _start_tensors(self, config: TLTConfig) -> dict[str, torch.Tensor]:
+        """The drafter a new run of this config starts from: ``drafter.init_dir``'s, else the seeded initialisation."""
+        if config.drafter.init_dir is not None:
+            return store.read_drafter_tensors(config.drafter.init_dir, self.arch)
+        return EagleDrafter(self.arch, seed=config.trainer.seed).export_tensors()
 
     # ------------------------------------------------------------------ rollout
 
@@ -148,7 +171,7 @@ class TLTDrafter:
         spot.failed = self.spot.failed
         stats = self.trainer.phase_stats()
         with timeline.phase("sync"):
-            self.tokens_trained += self.trainer.average_replicas()
+            self._count_trained(self.trainer.average_replicas())
         return TailReport(spot=spot, stats=stats, precision=self.trainer.precision.label)
 
     def wait_for_rollout_end(self, timeline: RankTimeline) -> TailReport:
@@ -158,34 +181,58 @@ class TLTDrafter:
         stats = self.trainer.phase_stats()
         with timeline.phase("sync"):  # one drafter version for every engine: the token-weighted mean
             self.checkpointer.wait()  # a write still reading the drafter (rollout shorter than it)
-            self.tokens_trained += self.trainer.average_replicas()
+            self._count_trained(self.trainer.average_replicas())
         return TailReport(spot=spot, stats=stats, precision=self.trainer.precision.label)
 
-    # ------------------------------------------------------------------ log-prob pass and sync
+    def _count_trained(self, tokens: int) -> None:
+        self.tokens_trained += tokens
+        self._trained_since_decision += tokens
+
+    # ------------------------------------------------------------------ log-prob pass, measure and sync
 
     def add_features(self, token_ids: list[list[int]], features: list[torch.Tensor]) -> None:
         if features:
             self.trainer.add_sequences(token_ids, features)
 
+    def measure_and_gate(self, held_out) -> QualityReport | None:
+        """Measure the serving, the starting and a newly trained drafter on this rank's held-out ``(token_ids,
+        features, prompt_len)`` sequences, summed over every rank, and push the trained one only if it measures
+        at least as well (``drafter/serving.py``). Collective; None where the measure is off."""
+        if self.serving is None:
+            return None
+        embedding_vh, lm_head_vh = self.trainer.policy_heads
+        candidate = self.trainer.drafter if self._trained_since_decision else None
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # a checkpoint write still reads the serving drafter (it is not copied)
+        report = self.serving.measure_and_gate(candidate, held_out, embedding_vh=embedding_vh, lm_head_vh=lm_head_vh)
+        self._trained_since_decision = 0
+        return report
+
     @property
     def wants_policy_heads(self) -> bool:
-        """Whether a sync should keep the policy's embedding and LM head for it: only a drafter that
-        trains uses them (it drafts in the engine with the engine's own)."""
-        return self.spot is not None
+        """Whether a sync should keep the policy's embedding and LM head for it: a drafter that trains uses
+        them, and so does the held-out measure (in the engine it drafts with the engine's own)."""
+        return self.spot is not None or self.serving is not None
 
     def set_policy_heads(self, hf_tensors: dict[str, torch.Tensor]) -> None:
         self.trainer.set_policy_heads(hf_tensors)
 
     def export_tensors(self) -> dict[str, torch.Tensor]:
-        return self.trainer.export_tensors()
+        """What the engines are given: the serving drafter (the last one the gate let through), or, without the
+        held-out measure, the one trained so far."""
+        return self.serving.export_tensors() if self.serving is not None else self.trainer.export_tensors()
 
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, step: int) -> None:
-        if self.checkpointer is not None:  # written in the background
-            self.checkpointer.save(step, self.trainer.drafter, self.trainer.optimizer,
-                                   info={"tokens_trained": self.tokens_trained,
-                                         "policy": self.config.model.hf_dir or "tiny default"})
+        """The drafter the engines serve, with the trainer's Adam state, in the background: a resumed run, and an
+        export, start from the drafter that last passed the gate."""
+        if self.checkpointer is not None:
+            served = self.serving.drafter if self.serving is not None else self.trainer.drafter
+            info = {"tokens_trained": self.tokens_trained, "policy": self.config.model.hf_dir or "tiny default"}
+            if self.serving is not None:
+                info.update(pushes=self.serving.pushes, pushes_declined=self.serving.declined)
+            self.checkpointer.save(step, served, self.trainer.optimizer, info=info)
 
     def close(self) -> None:
         if self.checkpointer is not None:

@@ -86,6 +86,13 @@ class DrafterTrainer:
         self._embedding_vh = embedding_vh.detach().to(p.device, p.dtype)
         self._lm_head_vh = hf_tensors.get(_LM_HEAD, embedding_vh).detach().to(p.device, p.dtype)
 
+    @property
+    def policy_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's embedding [vocab, hidden] and LM head the drafter drafts with (after a sync)."""
+        if self._embedding_vh is None:
+            raise RuntimeError("the drafter has no policy embedding and LM head yet: sync the policy first")
+        return self._embedding_vh, self._lm_head_vh
+
     def add_sequences(self, token_ids: list[list[int]], features: list[torch.Tensor]) -> None:
         """This step's sequences and their post-final-norm features. Called on the critical path (the
         log-prob pass), so it only stores them: packs are made one at a time by the micro-steps, in idle

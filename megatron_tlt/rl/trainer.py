@@ -22,6 +22,7 @@ sync; the step's summary record is made from every rank's report (``rl/run/step_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import statistics
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from megatron_tlt import atomic_files
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.device import module_device
+from megatron_tlt.drafter.serving import QualityReport
 from megatron_tlt.drafter.tlt_drafter import TailReport, TLTDrafter
 from megatron_tlt.model import mcore
 from megatron_tlt.rl.actor import CapturedFeatures, compute_logprobs, features_on_every_stage
@@ -212,7 +214,8 @@ class RLTrainer:
     def _wants_features(self, train_drafter: bool) -> bool:
         return self.config.trainer.capture_hidden_states or train_drafter
 
-    def _logprob_pass(self, sequences: list[list[int]], timeline: RankTimeline, train_drafter: bool):
+    def _logprob_pass(self, sequences: list[list[int]], timeline: RankTimeline, train_drafter: bool,
+                      held_out: set[int]):
         """Old log-probs (None on-policy) and reference log-probs (None without the KL term) of the step's
         sequences, and the drafter feature rows captured here (handed to the drafter when it trains this step)."""
         t = self.config.trainer
@@ -225,22 +228,63 @@ class RLTrainer:
                                           micro_batch_tokens=t.micro_batch_tokens,
                                           capture_hidden=self._wants_features(train_drafter),
                                           max_feature_rows=self.config.drafter.buffer_tokens)
-                old, feature_rows = result.token_logprobs, self._keep_features(sequences, result, train_drafter)
+                old = result.token_logprobs
+                feature_rows = self._keep_features(sequences, result, train_drafter, list(range(len(sequences))),
+                                                   held_out)
             if self.reference is not None:
                 ref = compute_logprobs(self.reference, sequences, vocab_size=self.arch.vocab_size,
                                        micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
                                        micro_batch_tokens=t.micro_batch_tokens).token_logprobs
         return old, ref, feature_rows
 
-    def _keep_features(self, sequences: list[list[int]], captured: CapturedFeatures, train_drafter: bool) -> int:
-        """Hand the captured features to the drafter when it trains this step; returns their rows (0 off the last
+    def _keep_features(self, sequences: list[list[int]], captured: CapturedFeatures, train_drafter: bool,
+                       sample_indices: list[int], held_out: set[int]) -> int:
+        """Hand the captured features to the drafter when it trains this step, but for the held-out slice's
+        (``sample_indices``: each sequence's index among the step's samples); returns their rows (0 off the last
         stage)."""
         if train_drafter:  # every pipeline stage's idle ranks train: the last stage shares its features
-            self.drafter.add_features(*features_on_every_stage(self.model, sequences, captured))
+            kept, features = features_on_every_stage(self.model, sequences, captured)
+            trained = [k for k, i in enumerate(captured.feature_indices) if sample_indices[i] not in held_out]
+            self.drafter.add_features([kept[k] for k in trained], [features[k] for k in trained])
         return sum(captured.feature_rows) if captured.features is not None else 0
 
+    def _held_out_slice(self, samples: list[Sample]) -> list[int]:
+        """The step's held-out sequences for the drafter's measure: the first sample of every group (filtered by
+        the equal-reward filter or not), in prompt order, up to ``drafter.quality_rows`` feature rows; none where
+        the measure is off. The same on every rank of a model-parallel group (they hold the same samples)."""
+        limit = self.config.drafter.quality_rows if self.drafter is not None and self.drafter.serving else 0
+        chosen, rows = [], 0
+        for i, sample in enumerate(samples):
+            if rows >= limit:
+                break
+            if sample.sample_index == 0:
+                chosen.append(i)
+                rows += len(sample.prompt_ids) + len(sample.response_ids) - 1
+        return chosen
+
+    def _held_out_features(self, samples: list[Sample], sequences: list[list[int]], chosen: list[int],
+                           timeline: RankTimeline) -> tuple[list[tuple[list[int], torch.Tensor, int]], float]:
+        """The policy's features of the held-out sequences, before the update (the policy that generated them),
+        as ``(token_ids, features, prompt_len)`` on the ranks that measure them (each replica's last stage, its
+        first TP rank: every sequence counted once); and the seconds the forward took. Collective over the
+        model-parallel group."""
+        if not chosen:
+            return [], 0.0
+        start = time.perf_counter()
+        t = self.config.trainer
+        with timeline.phase("logprob"):
+            captured = compute_logprobs(self.model, [sequences[i] for i in chosen], vocab_size=self.arch.vocab_size,
+                                        micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                        micro_batch_tokens=t.micro_batch_tokens, capture_hidden=True)
+        stage = mcore.stage_info()
+        if captured.features is None or stage.tp_rank != 0:
+            return [], time.perf_counter() - start
+        held = [(sequences[chosen[k]], features, len(samples[chosen[k]].prompt_ids))
+                for k, features in zip(captured.feature_indices, captured.hidden_states)]
+        return held, time.perf_counter() - start
+
     def _update(self, samples: list[Sample], token_ids: list[list[int]], advantages: list[float], old, ref,
-                timeline: RankTimeline, train_drafter: bool) -> tuple[dict, int]:
+                timeline: RankTimeline, train_drafter: bool, held_out: set[int]) -> tuple[dict, int]:
         """The step's optimizer steps; returns their mean metrics and the drafter feature rows the update's forward
         captured (on-policy only; the log-prob pass captures them otherwise)."""
         t = self.config.trainer
@@ -260,6 +304,7 @@ class RLTrainer:
         feature_rows = 0
         with timeline.phase("update"):
             for u in range(t.updates_per_step):  # mini-batches interleave short and long sequences
+                mini_indices = [i for i, _ in sequences if i % t.updates_per_step == u]
                 mini = [seq for i, seq in sequences if i % t.updates_per_step == u]
                 # Advanced before the step, so optimizer step k runs at the schedule's k-th value
                 # (Megatron's scheduler starts at init_lr 0, which would waste the first step).
@@ -274,7 +319,7 @@ class RLTrainer:
                                             max_feature_rows=self.config.drafter.buffer_tokens)
                 if capture:
                     feature_rows += self._keep_features([seq.token_ids for seq in mini], result.features,
-                                                        train_drafter)
+                                                        train_drafter, mini_indices, held_out)
                 for key, value in result.metrics.items():
                     metrics.setdefault(key, []).append(value)
         return {key: statistics.fmean(values) for key, values in metrics.items()}, feature_rows
@@ -299,15 +344,24 @@ class RLTrainer:
         sequences = [list(s.prompt_ids) + s.response_ids for s in samples]
         # Colocated: the engine's KV cache and weights leave the GPU while Megatron trains, as tlt plan counts it.
         self.engine.release_memory()
-        old, ref, feature_rows = self._logprob_pass(sequences, timeline, train_drafter)
+        held_out = self._held_out_slice(samples)  # the drafter's measure: never trained on
+        held_features, held_out_seconds = self._held_out_features(samples, sequences, held_out, timeline)
+        old, ref, feature_rows = self._logprob_pass(sequences, timeline, train_drafter, set(held_out))
         update_metrics, update_feature_rows = self._update(samples, sequences, advantages, old, ref, timeline,
-                                                           train_drafter)
+                                                           train_drafter, set(held_out))
         feature_rows += update_feature_rows
         if serially:  # after the update, on the critical path, on this step's features
             tail = self.drafter.train_serially(timeline)
         self.engine.resume_memory()
+        quality = None
+        if self.drafter is not None:  # before the sync: it pushes the drafter the gate lets through
+            with timeline.phase("sync"):
+                quality = self.drafter.measure_and_gate(held_features)
+            if quality is not None:
+                quality = dataclasses.replace(quality, seconds=quality.seconds + held_out_seconds)
         synced = self._sync(timeline)
-        report = self._report(own, result, timeline, dropped_groups, tail, feature_rows, synced, alarm, streamed)
+        report = self._report(own, result, timeline, dropped_groups, tail, feature_rows, synced, alarm, streamed,
+                              quality)
         gathered = [None] * self.world if self.is_reporter else None
         dist.gather_object(report, gathered, dst=0)
         if not self.is_reporter:
@@ -317,7 +371,7 @@ class RLTrainer:
 
     def _report(self, own: list[Sample], result, timeline: RankTimeline, dropped_groups: int,
                 tail: TailReport | None, feature_rows: int, synced: SyncStats, rollout_alarm: bool,
-                streamed: StreamedScores | None) -> RankStepReport:
+                streamed: StreamedScores | None, quality: QualityReport | None) -> RankStepReport:
         leader = self.placement.is_leader  # an engine's figures, once: from its leader
         pool = None
         if streamed is not None:
@@ -334,7 +388,7 @@ class RLTrainer:
             integrity=self.session.drafter_integrity_report(self.engine) if leader else None,
             # counted once per replica: the last stage's TP ranks hold the same features
             hidden_tokens=feature_rows if mcore.stage_info().tp_rank == 0 else 0, reward_pool=pool,
-            speedup_estimate=result.speedup_estimate if result is not None and leader else None)
+            speedup_estimate=result.speedup_estimate if result is not None and leader else None, quality=quality)
 
     def evaluate(self) -> dict[str, float] | None:
         """Held-out accuracy, greedy and sampled (collective; rank 0 gets the numbers)."""

@@ -113,3 +113,26 @@ def test_drafter_integrity_fields_count_each_engines_checks_of_the_step_and_time
     assert (record["spec/drafter_integrity_failures"], record["spec/drafter_integrity_mismatches"],
             record["spec/drafter_integrity_seconds"], record["spec/speculation_suspended"]) == (1, 2, 0.004, 1)
     assert not any(key.startswith("spec/drafter_integrity") for key in _record(_report(0)))  # checks off
+
+
+def test_the_drafters_held_out_measure_is_reported_once_its_cost_as_the_slowest_ranks_and_on_the_tlt_line():
+    from megatron_tlt.drafter.quality import AcceptanceTally
+    from megatron_tlt.drafter.serving import QualityReport
+    from megatron_tlt.rl.run.run_dir import tlt_line
+
+    def tally(length: float) -> AcceptanceTally:  # 10 chains of expected length `length` at depth 2
+        return AcceptanceTally(2, [9.0, 8.0], length_sum=10 * length, chains=10, entropy_sum=8.0, entropy_rows=10)
+
+    quality = QualityReport(depth=2, serving=tally(2.5), cold_start=tally(2.25), candidate=tally(2.0), pushed=False,
+                            pushes=3, declined=1, seconds=0.02)
+    record = _record(dataclasses.replace(_report(0), quality=quality),
+                     dataclasses.replace(_report(1), quality=dataclasses.replace(quality, seconds=0.05)))
+    assert record["drafter/quality/expected_acceptance_length"] == 2.5
+    assert record["drafter/quality/cold_start_expected_acceptance_length"] == 2.25
+    assert record["drafter/quality/acceptance_by_position"] == {"1": 0.9, "2": 0.8}
+    assert record["drafter/quality/policy_entropy"] == 0.8
+    assert record["drafter/quality/seconds"] == 0.05
+    assert (record["drafter/pushes"], record["drafter/pushes_declined"], record["drafter/pushed"]) == (3, 1, False)
+    assert tlt_line(record) == ("step 1 TLT: drafter 2.50 vs cold start 2.25 at depth 2 (held out), entropy 0.80, "
+                                "trained 2.00 declined")
+    assert not any(key.startswith("drafter/") for key in _record(_report(0)))  # measure off: no fields

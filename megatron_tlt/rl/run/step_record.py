@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+from megatron_tlt.drafter.serving import QualityReport, quality_fields
 from megatron_tlt.drafter.tlt_drafter import TailReport, summary_fields
 from megatron_tlt.rl.rewards.pool import FAILURE_KINDS
 from megatron_tlt.spec.drafter_integrity import IntegrityReport
@@ -61,6 +62,9 @@ class RankStepReport:
     speedup_estimate: float | None = None
     """The engine's estimate of its rollout's time at depth 0 over the time it took (``spec/speedup_estimate.py``;
     leader only, None where it had none)."""
+    quality: QualityReport | None = None
+    """The drafters' held-out measure and the push decision (summed over ranks: the same figures on every rank;
+    its seconds are this rank's)."""
 
 
 def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb_s: float,
@@ -100,7 +104,16 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
     record.update(_integrity_fields(per_rank))
     record.update(_reward_pool_fields(per_rank))
     record.update(summary_fields([p.tail for p in per_rank], timelines))
+    record.update(_quality_fields(per_rank))
     return record
+
+
+def _quality_fields(per_rank: list[RankStepReport]) -> dict:
+    """The drafters' held-out measure (the same on every rank), its cost as the slowest rank's."""
+    reports = [p.quality for p in per_rank if p.quality is not None]
+    if not reports:
+        return {}
+    return quality_fields(dataclasses.replace(reports[0], seconds=max(r.seconds for r in reports)))
 
 
 def _speculation_fields(per_rank: list[RankStepReport]) -> dict:
