@@ -372,6 +372,14 @@ class DrafterConfig:
     rows is split into chunks that cannot attend to the earlier ones, so keep it above the longest prompt +
     response: at 256 the tiny default's drafter accepted half as many tokens in the rollout's long tail
     (bench/RESULTS.md)."""
+    pack_order: str = "shuffled"
+    """Which buffered sequences a step's micro-steps train on first: ``shuffled`` (a fresh random order over the
+    whole buffer each step, different on each rank) or ``newest`` (the newest first: a short tail trains on
+    little more than the last step's few groups, whose samples are near copies of each other)."""
+    heads_version: str = "features"
+    """The policy embedding and LM head the drafter trains with: ``features`` (those of the policy that made the
+    newest features, so heads and features agree) or ``newest`` (the policy after the last update, one version
+    ahead of every feature in the buffer)."""
     hidden_weight: float = 1.0
     ce_weight: float = 0.1
     unroll_steps: int = 1
@@ -396,6 +404,12 @@ class DrafterConfig:
     t * (1 - d) / d. Default: 1.0 on GPU, where each rank trains on its own device; 0.25 on CPU, where the
     ranks share one memory bus and an idle rank's training slows the ranks still generating
     (bench/spot_overhead.py: +7.8% critical path at 1.0, none measurable at 0.25)."""
+    spot_cost_bound: float | None = 0.02
+    """Share of the rollout the spot trainer may cost the ranks still generating before its duty cycle backs off.
+    Each step measures it (drafter/spot_rollout_cost: the generating ranks' engine steps that ran while another
+    rank of their node trained, against steps of the same batch size and depth that ran while none did,
+    ``drafter/neighbour_slowdown.py``); above the bound the duty cycle is halved, below half of it raised by 1.1x,
+    never above spot_duty_cycle (drafter/duty_cycle: the one used). None: the duty cycle stays as set."""
     precision: str = "auto"
     """auto (fp8 through Transformer Engine where the GPU has FP8 tensor cores and TE is importable, else bf16 on
     GPU, fp32 on CPU), fp32, bf16, fp8 (through TE, else torchao's float8 training; refused at start-up, saying
@@ -414,7 +428,7 @@ class DrafterConfig:
     generation per step (0.3-0.4 s of a 3.5 s step with 4 prompts on the 2-core CPU)."""
     acceptance_alarm: float = 0.05
     """Accepted share of a rollout's (or probe's) draft tokens below which the alarm fires."""
-    quality_rows: int = 1024
+    quality_rows: int = 512
     """With speculation on: feature rows per rank of a held-out slice of each step's rollouts (the first sample
     of each group, every group, in prompt order, whole sequences up to this many rows), never trained on. On
     it, each step, the serving drafter, the run's starting drafter (the cold start) and a freshly trained
@@ -436,10 +450,15 @@ class DrafterConfig:
                               f"{self.speculative_tokens}, {self.buffer_tokens}, {self.pack_tokens}")
         if self.unroll_steps < 1:
             raise ConfigError(f"drafter.unroll_steps must be >= 1 (1: no unrolling), got {self.unroll_steps}")
+        if self.pack_order not in ("shuffled", "newest") or self.heads_version not in ("features", "newest"):
+            raise ConfigError(f"drafter.pack_order must be shuffled or newest and drafter.heads_version features or "
+                              f"newest, got '{self.pack_order}', '{self.heads_version}'")
         if self.quality_rows < 0:
             raise ConfigError(f"drafter.quality_rows must be >= 0 (0: no held-out measure), got {self.quality_rows}")
         if self.lr <= 0 or (self.spot_lr is not None and self.spot_lr <= 0):
             raise ConfigError(f"drafter.lr and drafter.spot_lr must be > 0, got {self.lr}, {self.spot_lr}")
+        if self.spot_cost_bound is not None and not 0.0 < self.spot_cost_bound < 1.0:
+            raise ConfigError(f"drafter.spot_cost_bound must be in (0, 1) or null, got {self.spot_cost_bound}")
         if self.spot_duty_cycle is not None and not 0.0 < self.spot_duty_cycle <= 1.0:
             raise ConfigError(f"drafter.spot_duty_cycle must be in (0, 1], got {self.spot_duty_cycle}")
         if self.schedule not in ("idle", "serial"):

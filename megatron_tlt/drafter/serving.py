@@ -74,10 +74,12 @@ class ServingDrafter:
         self.drafter = copy.deepcopy(start).requires_grad_(False).eval()
         self.reference = copy.deepcopy(start).requires_grad_(False).eval()
         self.pushes, self.declined = pushes, declined
+        self._serving_is_reference = True  # until a push: one measure serves both
 
     def set_reference(self, tensors: dict[str, Tensor]) -> None:
         """The cold start to compare with, where the run did not start from it (a resumed run)."""
         self.reference.load_tensors(tensors)
+        self._serving_is_reference = False
 
     def export_tensors(self) -> dict[str, Tensor]:
         return self.drafter.export_tensors()
@@ -98,18 +100,22 @@ class ServingDrafter:
         s = self.settings
         kwargs = dict(embedding_vh=embedding_vh, lm_head_vh=lm_head_vh, depth=s.depth, temperature=s.temperature,
                       greedy_draft=s.greedy_draft, pack_tokens=s.pack_tokens)
-        drafters = [self.drafter, self.reference] + ([candidate] if candidate is not None else [])
+        drafters = [self.drafter] + ([] if self._serving_is_reference else [self.reference])
+        drafters += [candidate] if candidate is not None else []
         tallies = [measure(d, held_out, **kwargs) if held_out else AcceptanceTally.empty(s.depth) for d in drafters]
         if dist.is_available() and dist.is_initialized():
             stacked = torch.stack([t.as_tensor() for t in tallies]).to(embedding_vh.device)  # NCCL: on the GPU
             dist.all_reduce(stacked, group=group)
             tallies = [AcceptanceTally.from_tensor(s.depth, row.cpu()) for row in stacked]
+        if self._serving_is_reference:
+            tallies.insert(1, tallies[0])
         pushed = None
         if candidate is not None:
             pushed = candidate_wins(tallies[2], tallies[0]) if s.gate else True
             if pushed:
                 self._copy_from(candidate)
                 self.pushes += 1
+                self._serving_is_reference = False
             else:
                 self.declined += 1
         return QualityReport(depth=s.depth, serving=tallies[0], cold_start=tallies[1],

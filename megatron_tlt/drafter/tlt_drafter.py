@@ -24,11 +24,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.device import compute_device
 from megatron_tlt.drafter import checkpoint_paths, checkpointer, store
 from megatron_tlt.drafter.model import EagleDrafter
+from megatron_tlt.drafter.neighbour_slowdown import DutyCycleController
 from megatron_tlt.drafter.precision import resolve_precision, start_up_line
 from megatron_tlt.drafter.serving import MeasureSettings, QualityReport, ServingDrafter
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotReport, SpotTrainer
@@ -52,6 +54,8 @@ class TailReport:
     """``DrafterTrainer.phase_stats()``: loss, top-1 agreement, tokens, dropped steps, buffer tokens."""
     precision: str
     """The path the drafter trains through (``DrafterPrecision.label``)."""
+    duty_cycle: float = 1.0
+    """The share of its idle time the spot trainer was allowed to train."""
 
 
 class TLTDrafter:
@@ -89,6 +93,12 @@ class TLTDrafter:
             self.spot = SpotTrainer(self.trainer.micro_step, DeviceIdleProbe(compute_device().index),
                                     may_train=lambda: not self.checkpointer.writing(),
                                     duty_cycle=_spot_duty_cycle(d.spot_duty_cycle))
+        self.duty = None
+        if self.spot is not None and d.schedule == "idle" and d.spot_cost_bound is not None:
+            self.duty = DutyCycleController(self.spot.duty_cycle, bound=d.spot_cost_bound)
+            if "duty_cycle" in info:  # resumed: where the run had backed off to
+                self.duty.load_state_dict(info)
+                self.spot.set_duty_cycle(self.duty.duty_cycle)
 
     @classmethod
     def for_run(cls, config: TLTConfig, arch: PolicyArchitecture, **kwargs) -> TLTDrafter | None:
@@ -182,7 +192,18 @@ class TLTDrafter:
         with timeline.phase("sync"):  # one drafter version for every engine: the token-weighted mean
             self.checkpointer.wait()  # a write still reading the drafter (rollout shorter than it)
             self._count_trained(self.trainer.average_replicas())
-        return TailReport(spot=spot, stats=stats, precision=self.trainer.precision.label)
+        return TailReport(spot=spot, stats=stats, precision=self.trainer.precision.label,
+                          duty_cycle=self.spot.duty_cycle)
+
+    def adapt_duty_cycle(self, rollout_cost: float | None) -> None:
+        """Set every rank's duty cycle for the next rollout from the cost rank 0 measured in this one
+        (``rollout_cost``: ``drafter/spot_rollout_cost``, None elsewhere or without an estimate). Collective."""
+        if self.duty is None:
+            return
+        duty = torch.tensor([self.duty.update(rollout_cost)], dtype=torch.float64, device=compute_device())
+        dist.broadcast(duty, src=0)  # rank 0 alone holds the step's record
+        self.duty.load_state_dict({"duty_cycle": duty.item()})
+        self.spot.set_duty_cycle(self.duty.duty_cycle)
 
     def _count_trained(self, tokens: int) -> None:
         self.tokens_trained += tokens
@@ -232,6 +253,8 @@ class TLTDrafter:
             info = {"tokens_trained": self.tokens_trained, "policy": self.config.model.hf_dir or "tiny default"}
             if self.serving is not None:
                 info.update(pushes=self.serving.pushes, pushes_declined=self.serving.declined)
+            if self.duty is not None:
+                info.update(self.duty.state_dict())
             self.checkpointer.save(step, served, self.trainer.optimizer, info=info)
 
     def close(self) -> None:
@@ -282,6 +305,7 @@ def summary_fields(reports: list[TailReport | None], timelines: list[RankTimelin
         "drafter/release_latency_seconds": [None if r.spot.released_at is None else r.spot.released_at - slowest_done
                                             for r in reports],
         "drafter/failed": any(r.spot.failed for r in reports),
+        "drafter/duty_cycle": reports[0].duty_cycle,  # the same on every rank (rank 0's, broadcast)
     }
 
 

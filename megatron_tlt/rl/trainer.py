@@ -35,13 +35,16 @@ import torch.distributed as dist
 from megatron_tlt import atomic_files
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.device import module_device
+from megatron_tlt.drafter.neighbour_slowdown import engine_steps
 from megatron_tlt.drafter.serving import QualityReport
 from megatron_tlt.drafter.tlt_drafter import TailReport, TLTDrafter
 from megatron_tlt.model import mcore
 from megatron_tlt.rl.actor import CapturedFeatures, compute_logprobs, features_on_every_stage
+from megatron_tlt.rl import held_out_slice
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.inputs import policy_source
 from megatron_tlt.rl.inputs.data import PromptExample
+from megatron_tlt.rl.held_out_slice import HeldOutSlice
 from megatron_tlt.rl.inputs.sampler import PromptSampler
 from megatron_tlt.rl.rank_session import RankSession
 from megatron_tlt.rl.rewards.pool import RankRewardPool, StreamedScores
@@ -215,7 +218,7 @@ class RLTrainer:
         return self.config.trainer.capture_hidden_states or train_drafter
 
     def _logprob_pass(self, sequences: list[list[int]], timeline: RankTimeline, train_drafter: bool,
-                      held_out: set[int]):
+                      held_out: HeldOutSlice):
         """Old log-probs (None on-policy) and reference log-probs (None without the KL term) of the step's
         sequences, and the drafter feature rows captured here (handed to the drafter when it trains this step)."""
         t = self.config.trainer
@@ -238,53 +241,36 @@ class RLTrainer:
         return old, ref, feature_rows
 
     def _keep_features(self, sequences: list[list[int]], captured: CapturedFeatures, train_drafter: bool,
-                       sample_indices: list[int], held_out: set[int]) -> int:
-        """Hand the captured features to the drafter when it trains this step, but for the held-out slice's
-        (``sample_indices``: each sequence's index among the step's samples); returns their rows (0 off the last
-        stage)."""
+                       sample_indices: list[int], held_out: HeldOutSlice) -> int:
+        """Hand the captured features to the drafter when it trains this step, but for the held-out slice's, which
+        go to the slice (``sample_indices``: each sequence's index among the step's samples); returns their rows
+        (0 off the last stage)."""
+        held_out.take_from(captured, sample_indices)
         if train_drafter:  # every pipeline stage's idle ranks train: the last stage shares its features
             kept, features = features_on_every_stage(self.model, sequences, captured)
             trained = [k for k, i in enumerate(captured.feature_indices) if sample_indices[i] not in held_out]
             self.drafter.add_features([kept[k] for k in trained], [features[k] for k in trained])
         return sum(captured.feature_rows) if captured.features is not None else 0
 
-    def _held_out_slice(self, samples: list[Sample]) -> list[int]:
-        """The step's held-out sequences for the drafter's measure: the first sample of every group (filtered by
-        the equal-reward filter or not), in prompt order, up to ``drafter.quality_rows`` feature rows; none where
-        the measure is off. The same on every rank of a model-parallel group (they hold the same samples)."""
-        limit = self.config.drafter.quality_rows if self.drafter is not None and self.drafter.serving else 0
-        chosen, rows = [], 0
-        for i, sample in enumerate(samples):
-            if rows >= limit:
-                break
-            if sample.sample_index == 0:
-                chosen.append(i)
-                rows += len(sample.prompt_ids) + len(sample.response_ids) - 1
-        return chosen
-
-    def _held_out_features(self, samples: list[Sample], sequences: list[list[int]], chosen: list[int],
-                           timeline: RankTimeline) -> tuple[list[tuple[list[int], torch.Tensor, int]], float]:
-        """The policy's features of the held-out sequences, before the update (the policy that generated them),
-        as ``(token_ids, features, prompt_len)`` on the ranks that measure them (each replica's last stage, its
-        first TP rank: every sequence counted once); and the seconds the forward took. Collective over the
-        model-parallel group."""
-        if not chosen:
-            return [], 0.0
-        start = time.perf_counter()
-        t = self.config.trainer
+    def _held_out_slice(self, samples: list[Sample], sequences: list[list[int]], advantages: list[float],
+                        train_drafter: bool, timeline: RankTimeline) -> HeldOutSlice:
+        """The step's held-out slice for the drafter's measure (``rl/held_out_slice.py``), with the features of the
+        sequences the update's forward will not capture already taken (collective over the model-parallel group)."""
+        rows = self.config.drafter.quality_rows if self.drafter is not None and self.drafter.serving else 0
+        chosen = held_out_slice.choose(samples, rows)
+        in_update = set()
+        if self._wants_features(train_drafter):  # a later pass captures features: the update's or the log-prob pass's
+            # on-policy the update's forward sees only the groups the equal-reward filter keeps (advantage not NaN)
+            in_update = {i for i in chosen if not self._on_policy_update or advantages[i] == advantages[i]}
+        held_out = HeldOutSlice(samples, sequences, chosen, in_update=in_update)
         with timeline.phase("logprob"):
-            captured = compute_logprobs(self.model, [sequences[i] for i in chosen], vocab_size=self.arch.vocab_size,
-                                        micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
-                                        micro_batch_tokens=t.micro_batch_tokens, capture_hidden=True)
-        stage = mcore.stage_info()
-        if captured.features is None or stage.tp_rank != 0:
-            return [], time.perf_counter() - start
-        held = [(sequences[chosen[k]], features, len(samples[chosen[k]].prompt_ids))
-                for k, features in zip(captured.feature_indices, captured.hidden_states)]
-        return held, time.perf_counter() - start
+            t = self.config.trainer
+            held_out.forward_the_rest(self.model, vocab_size=self.arch.vocab_size, micro_batch_size=t.micro_batch_size,
+                                      pad_id=self.tokenizer.pad_id, micro_batch_tokens=t.micro_batch_tokens)
+        return held_out
 
     def _update(self, samples: list[Sample], token_ids: list[list[int]], advantages: list[float], old, ref,
-                timeline: RankTimeline, train_drafter: bool, held_out: set[int]) -> tuple[dict, int]:
+                timeline: RankTimeline, train_drafter: bool, held_out: HeldOutSlice) -> tuple[dict, int]:
         """The step's optimizer steps; returns their mean metrics and the drafter feature rows the update's forward
         captured (on-policy only; the log-prob pass captures them otherwise)."""
         t = self.config.trainer
@@ -344,11 +330,10 @@ class RLTrainer:
         sequences = [list(s.prompt_ids) + s.response_ids for s in samples]
         # Colocated: the engine's KV cache and weights leave the GPU while Megatron trains, as tlt plan counts it.
         self.engine.release_memory()
-        held_out = self._held_out_slice(samples)  # the drafter's measure: never trained on
-        held_features, held_out_seconds = self._held_out_features(samples, sequences, held_out, timeline)
-        old, ref, feature_rows = self._logprob_pass(sequences, timeline, train_drafter, set(held_out))
+        held_out = self._held_out_slice(samples, sequences, advantages, train_drafter, timeline)
+        old, ref, feature_rows = self._logprob_pass(sequences, timeline, train_drafter, held_out)
         update_metrics, update_feature_rows = self._update(samples, sequences, advantages, old, ref, timeline,
-                                                           train_drafter, set(held_out))
+                                                           train_drafter, held_out)
         feature_rows += update_feature_rows
         if serially:  # after the update, on the critical path, on this step's features
             tail = self.drafter.train_serially(timeline)
@@ -356,17 +341,22 @@ class RLTrainer:
         quality = None
         if self.drafter is not None:  # before the sync: it pushes the drafter the gate lets through
             with timeline.phase("sync"):
-                quality = self.drafter.measure_and_gate(held_features)
+                quality = self.drafter.measure_and_gate(held_out.measured)
             if quality is not None:
-                quality = dataclasses.replace(quality, seconds=quality.seconds + held_out_seconds)
+                quality = dataclasses.replace(quality, seconds=quality.seconds + held_out.forward_seconds)
         synced = self._sync(timeline)
         report = self._report(own, result, timeline, dropped_groups, tail, feature_rows, synced, alarm, streamed,
                               quality)
         gathered = [None] * self.world if self.is_reporter else None
         dist.gather_object(report, gathered, dst=0)
+        record = None
+        if self.is_reporter:
+            record = step_record(step + 1, gathered, update_metrics, synced.gb_per_s, time.time() - step_start,
+                                 ranks_per_node=self.session.ranks_per_node)
+        if self.drafter is not None:  # backs off where training in the tail slowed the generating ranks
+            self.drafter.adapt_duty_cycle(record.get("drafter/spot_rollout_cost") if record else None)
         if not self.is_reporter:
             return None
-        record = step_record(step + 1, gathered, update_metrics, synced.gb_per_s, time.time() - step_start)
         return record, [span for r in gathered for span in r.timeline.to_records(step + 1)]
 
     def _report(self, own: list[Sample], result, timeline: RankTimeline, dropped_groups: int,
@@ -388,7 +378,9 @@ class RLTrainer:
             integrity=self.session.drafter_integrity_report(self.engine) if leader else None,
             # counted once per replica: the last stage's TP ranks hold the same features
             hidden_tokens=feature_rows if mcore.stage_info().tp_rank == 0 else 0, reward_pool=pool,
-            speedup_estimate=result.speedup_estimate if result is not None and leader else None, quality=quality)
+            speedup_estimate=result.speedup_estimate if result is not None and leader else None, quality=quality,
+            engine_steps=engine_steps(result.step_started_at, result.step_seconds, result.step_batch_sizes,
+                                      result.step_depths) if result is not None and leader else [])
 
     def evaluate(self) -> dict[str, float] | None:
         """Held-out accuracy, greedy and sampled (collective; rank 0 gets the numbers)."""

@@ -536,6 +536,30 @@ def test_speculative_rollouts_with_beg_mab_report_depths_and_keep_the_bandit_acr
     assert sum(len(w) for bucket in bandit["rewards"] for cell in bucket for w in cell) > 0
 
 
+def test_the_drafters_are_measured_on_a_held_out_slice_every_step_and_pushed_through_the_gate(spot_run):
+    records = _summary(spot_run)
+    for record in records:  # the serving drafter and the cold start, at the engine's depth, on teacher-forced chains
+        assert record["drafter/quality/depth"] == 2 and record["drafter/quality/chains"] > 0
+        for key in ("expected_acceptance_length", "cold_start_expected_acceptance_length"):
+            assert 1.0 <= record[f"drafter/quality/{key}"] <= 3.0
+        assert set(record["drafter/quality/acceptance_by_position"]) == {"1", "2"}
+        assert record["drafter/quality/policy_entropy"] >= 0 and record["drafter/quality/seconds"] > 0
+    # step 1 starts from the cold start (here the seeded initialisation): the same drafter, the same figure
+    first = records[0]
+    assert first["drafter/quality/expected_acceptance_length"] == first["drafter/quality/cold_start_expected_acceptance_length"]
+    # every step that trained a candidate decided on it, and the counts add up over the run
+    decided = [r for r in records if "drafter/pushed" in r]
+    assert decided and (records[-1]["drafter/pushes"] + records[-1]["drafter/pushes_declined"]) == len(decided)
+    for r in decided:  # the gate: pushed exactly when the candidate measured at least as well
+        assert r["drafter/pushed"] == (r["drafter/quality/candidate_expected_acceptance_length"]
+                                       >= r["drafter/quality/expected_acceptance_length"])
+    # the slice is never trained on: the buffer after step 1 holds the captured rows less the slice's
+    assert 0 < sum(records[1]["drafter/buffer_tokens"]) < records[0]["hidden_state_tokens_captured"]
+    # the spot trainer's cost to the generating rank is measured where it trained, and the duty cycle reported
+    assert all(0.0 < r["drafter/duty_cycle"] <= 1.0 for r in records)
+    assert all("drafter/neighbour_overlapped_share" in r for r in records[1:])
+
+
 def test_drafter_checkpoints_are_servable_eagle_dirs_with_every_ranks_adam_state(spot_run):
     drafter_dir = spot_run / "drafter"
     assert sorted(p.name for p in drafter_dir.glob("step_*")) == ["step_000002", "step_000004"]

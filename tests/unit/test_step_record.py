@@ -136,3 +136,28 @@ def test_the_drafters_held_out_measure_is_reported_once_its_cost_as_the_slowest_
     assert tlt_line(record) == ("step 1 TLT: drafter 2.50 vs cold start 2.25 at depth 2 (held out), entropy 0.80, "
                                 "trained 2.00 declined")
     assert not any(key.startswith("drafter/") for key in _record(_report(0)))  # measure off: no fields
+
+
+def test_the_spot_trainers_cost_to_the_generating_rank_is_measured_like_with_like_and_named_on_the_tlt_line():
+    from megatron_tlt.drafter.neighbour_slowdown import EngineStep
+    from megatron_tlt.rl.run.run_dir import tlt_line
+    from megatron_tlt.timeline.spans import TRAINING
+
+    # rank 1 generates 8 steps of batch 4 at depth 3: 0.10 s each while rank 0 rests, 0.11 s while it trains
+    steps, start = [], 10.0
+    for k in range(8):
+        seconds = 0.11 if k % 2 else 0.10
+        steps.append(EngineStep(start, seconds, 4, 3))
+        start += seconds
+    trainer = _report(0)
+    for step in steps[1::2]:
+        trainer.timeline.add("rollout", TRAINING, step.started_at, step.started_at + step.seconds)
+    record = _record(trainer, dataclasses.replace(_report(1), engine_steps=steps))
+    assert abs(record["drafter/neighbour_slowdown"] - 1.1) < 1e-9
+    assert abs(record["drafter/spot_rollout_cost"] - (1 - 1 / 1.1) * 0.44 / 0.84) < 1e-9
+    assert "spot training cost 4.8% of the generating rank's time" in tlt_line(record)
+    # on another node rank 0's training costs rank 1 nothing: no estimate
+    apart = step_record(1, [trainer, dataclasses.replace(_report(1), engine_steps=steps)], update={}, sync_gb_s=1.0,
+                        step_seconds=5.0, ranks_per_node=1)
+    assert apart["drafter/spot_rollout_cost"] is None
+    assert "drafter/spot_rollout_cost" not in _record(_report(0), _report(1))  # nobody trained: no fields

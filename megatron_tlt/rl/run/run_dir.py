@@ -148,6 +148,9 @@ def tlt_line(record: dict) -> str | None:
         loss = record["drafter/loss"]  # None (NaN) when no rank had tokens to train on
         parts.append(f"idle share trained {100 * trained:.0f}%, drafter loss "
                      + (f"{loss:.3f}" if loss is not None and math.isfinite(loss) else "-"))
+    if record.get("drafter/spot_rollout_cost") is not None:
+        parts.append(f"spot training cost {100 * record['drafter/spot_rollout_cost']:.1f}% of the generating rank's "
+                     f"time at duty cycle {record.get('drafter/duty_cycle', 1.0):.2f}")
     if "drafter/quality/expected_acceptance_length" in record:
         parts.append(quality_phrase(record))
     if record.get("spec/acceptance_alarms"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+from megatron_tlt.drafter.neighbour_slowdown import EngineStep, neighbour_slowdown
 from megatron_tlt.drafter.serving import QualityReport, quality_fields
 from megatron_tlt.drafter.tlt_drafter import TailReport, summary_fields
 from megatron_tlt.rl.rewards.pool import FAILURE_KINDS
@@ -62,13 +63,17 @@ class RankStepReport:
     speedup_estimate: float | None = None
     """The engine's estimate of its rollout's time at depth 0 over the time it took (``spec/speedup_estimate.py``;
     leader only, None where it had none)."""
+    engine_steps: list[EngineStep] = dataclasses.field(default_factory=list)
+    """The rollout's engine steps (start, seconds, batch size, depth), from the engine's leader only."""
     quality: QualityReport | None = None
     """The drafters' held-out measure and the push decision (summed over ranks: the same figures on every rank;
     its seconds are this rank's)."""
 
 
 def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb_s: float,
-                step_seconds: float) -> dict:
+                step_seconds: float, ranks_per_node: int | None = None) -> dict:
+    """``per_rank[r]`` is rank r's report; ``ranks_per_node`` (default: all on one node) says which ranks share a
+    machine, for the spot trainer's cost to the generating ranks."""
     rewards = [r for p in per_rank for r in p.rewards]
     lengths = [n for p in per_rank for n in p.lengths]
     timelines = [p.timeline for p in per_rank]
@@ -105,7 +110,28 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
     record.update(_reward_pool_fields(per_rank))
     record.update(summary_fields([p.tail for p in per_rank], timelines))
     record.update(_quality_fields(per_rank))
+    record.update(_neighbour_fields(per_rank, ranks_per_node or len(per_rank)))
     return record
+
+
+def _neighbour_fields(per_rank: list[RankStepReport], ranks_per_node: int) -> dict:
+    """What the ranks that trained in the rollout cost the ranks still generating on their node
+    (``drafter/neighbour_slowdown.py``): the worst node's figures; none where no rank trained in the rollout."""
+    trained = {r: [(s.start, s.end) for s in p.timeline.spans if s.phase == "rollout" and s.state == TRAINING]
+               for r, p in enumerate(per_rank)}
+    if not any(trained.values()):
+        return {}
+    estimates = []
+    for first in range(0, len(per_rank), ranks_per_node):
+        node = range(first, min(first + ranks_per_node, len(per_rank)))
+        estimates.append(neighbour_slowdown({r: per_rank[r].engine_steps for r in node}, {r: trained[r] for r in node}))
+    measured = [e for e in estimates if e.rollout_cost is not None]
+    worst = max(measured, key=lambda e: e.rollout_cost) if measured else None
+    return {
+        "drafter/neighbour_slowdown": worst.slowdown if worst else None,
+        "drafter/spot_rollout_cost": worst.rollout_cost if worst else None,
+        "drafter/neighbour_overlapped_share": max(e.overlapped_share for e in estimates),
+    }
 
 
 def _quality_fields(per_rank: list[RankStepReport]) -> dict:
