@@ -34,8 +34,8 @@ def _model(args: argparse.Namespace) -> dict:
 def _measure(args: argparse.Namespace) -> list[int]:
     import torch
 
+    from megatron_tlt.formats.architecture import architecture_from_dict
     from megatron_tlt.model import mcore
-    from megatron_tlt.model.architecture import architecture_from_dict
     from megatron_tlt.model.build_options import BuildOptions
     from megatron_tlt.model.lm_training import LMMicroBatch, lm_train_step
     from megatron_tlt.parallel import ParallelLayout
@@ -60,7 +60,7 @@ def _measure(args: argparse.Namespace) -> list[int]:
 
 
 def _planned(args: argparse.Namespace) -> list[float]:
-    from megatron_tlt.model.architecture import architecture_from_dict
+    from megatron_tlt.formats.architecture import architecture_from_dict
     from megatron_tlt.plan.memory import DTYPE_BYTES, ActivationSetting, stage_activations
 
     arch = architecture_from_dict(_model(args))

@@ -30,7 +30,7 @@ def drafter_cost_share(overrides: list[str]) -> tuple[float, int, int]:
     """(drafter FLOPs per draft token / policy FLOPs per token, policy layers, drafter parameters)."""
     from megatron_tlt.config import load_config
     from megatron_tlt.plan.model import count_parameters, drafter_parameters
-    from megatron_tlt.rl.inputs.task_source import task_source
+    from megatron_tlt.rl.task_source import task_source
 
     arch = task_source(load_config(CONFIG, overrides)).architecture()  # the config `tlt train` runs below
     # A token's matmul FLOPs are 2 x the weights it passes through: the embedding is a lookup, not a matmul

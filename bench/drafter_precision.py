@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from megatron_tlt.config import DrafterConfig
 from megatron_tlt.drafter.precision import FP8_BACKENDS, DrafterPrecision, fp8_backend_unavailable_reason
 from megatron_tlt.drafter.trainer import DrafterTrainer
-from megatron_tlt.model.architecture import architecture_from_dict, load_architecture
+from megatron_tlt.formats.architecture import architecture_from_dict, load_architecture
 from megatron_tlt.model.tiny_models import TINY_LLAMA
 
 LLAMA_70B_DIR = Path(__file__).resolve().parents[1] / "launch" / "models" / "llama-3.3-70b"

@@ -23,8 +23,8 @@ from megatron_tlt.launcher import run_on_ranks
 
 def _bench_on_rank(args: argparse.Namespace, workdir: str) -> dict:
     from megatron_tlt.config import RolloutEngineConfig
+    from megatron_tlt.formats.architecture import architecture_from_dict
     from megatron_tlt.model import policy
-    from megatron_tlt.model.architecture import architecture_from_dict
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl import weight_sync
     from megatron_tlt.spec.engine import RolloutEngine

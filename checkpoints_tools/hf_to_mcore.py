@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from megatron_tlt.formats.architecture import load_architecture
 from megatron_tlt.formats.hf_io import HFCheckpointReader, atomic_output_dir, check_output_dir, copy_tokenizer_files
 from megatron_tlt.formats.policy_meta import FORMAT_VERSION, PolicyCheckpointMeta
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.model.architecture import load_architecture
 
 logger = logging.getLogger(__name__)
 

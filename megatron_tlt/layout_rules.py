@@ -6,9 +6,9 @@ and a refusal reads the same sentence in both. Each rule raises ``LayoutError`` 
 the values and what would pass. The cluster's own rules (TP within a node, TP x PP dividing the GPUs) are
 the planner's alone: ``tlt train`` learns the cluster only when torchrun starts it.
 
-Imports nothing of the package: ``model_config`` (``PolicyArchitecture.validate_layout``) and ``config``
-(``load_config``) use it, so the model is any object with the ``ModelShape`` attributes (a
-``model_config.PolicyArchitecture``) and the run a ``config.TLTConfig``.
+Imports nothing of the package: ``formats/architecture.py`` (``PolicyArchitecture.validate_layout``) and
+``config`` (``load_config``) use it, so the model is any object with the ``ModelShape`` attributes (a
+``PolicyArchitecture``) and the run a ``config.TLTConfig``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Protocol
 
 
 class ModelShape(Protocol):
-    """What the rules read of a model: ``model_config.PolicyArchitecture`` has these attributes."""
+    """What the rules read of a model: ``formats.architecture.PolicyArchitecture`` has these attributes."""
 
     num_attention_heads: int
     num_kv_heads: int

@@ -44,7 +44,7 @@ def _check_drafter_precision(config) -> None:
 
 def _check_layout(config) -> None:
     """Every layout rule of the run for the policy it will train (``layout_rules``, which tlt plan shares)."""
-    from megatron_tlt.rl.inputs.task_source import task_source
+    from megatron_tlt.rl.task_source import task_source
 
     layout_rules.check_run_layout(config, task_source(config).architecture())
 
@@ -186,7 +186,7 @@ def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: b
     """The cold-start drafter of the config's initial policy (``tlt warmup-drafter``), installed from the
     package or made on first use (unless not ``make``) and cached: what ``drafter.cold_start`` and the
     benchmarks start from."""
-    from megatron_tlt.rl.inputs.task_source import task_source
+    from megatron_tlt.rl.task_source import task_source
 
     config = load_config(config_name, overrides)
     directory = cold_start_dir(config)

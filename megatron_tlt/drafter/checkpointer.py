@@ -26,7 +26,7 @@ import torch
 from megatron_tlt import atomic_files
 from megatron_tlt.drafter import store
 from megatron_tlt.drafter.checkpoint_paths import DRAFTER_DIR, list_drafter_checkpoints
-from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.formats.architecture import PolicyArchitecture
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from megatron_tlt.drafter.precision import convert_to_fp8, make_linear
-from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.spec.eagle import DrafterMismatch, eagle_drafter_config, validate_drafter
 
 # Llama's initializer_range: the scale of every random weight at initialisation.

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.formats.hf_io import CheckpointError
-from megatron_tlt.model.architecture import PolicyArchitecture
 from megatron_tlt.spec.eagle import DrafterMismatch, eagle_drafter_config, validate_drafter
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from megatron_tlt.drafter.precision import resolve_precision, start_up_line
 from megatron_tlt.drafter.serving import MeasureSettings, QualityReport, ServingDrafter
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotReport, SpotTrainer
 from megatron_tlt.drafter.trainer import DrafterTrainer
-from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.spec.engine import SpeculativeSettings
 from megatron_tlt.timeline.spans import BUSY, TRAINING, RankTimeline
 

@@ -23,7 +23,7 @@ from megatron_tlt.drafter.loss import drafter_loss
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.packing import DrafterPack, iter_packs, pack_sequences, pad_rows
 from megatron_tlt.drafter.precision import DrafterPrecision, autocast
-from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.formats.architecture import PolicyArchitecture
 
 _EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 POLICY_HEAD_NAMES = frozenset({_EMBEDDING, _LM_HEAD})

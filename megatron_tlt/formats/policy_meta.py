@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megatron_tlt.formats.architecture import PolicyArchitecture, architecture_from_dict
 from megatron_tlt.formats.hf_io import CheckpointError
-from megatron_tlt.model.architecture import PolicyArchitecture, architecture_from_dict
 
 META_FILE = "tlt_checkpoint.json"
 MODEL_SUBDIR = "model"

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.formats.architecture import PolicyArchitecture
 
 TensorGetter = Callable[[str], torch.Tensor]
 

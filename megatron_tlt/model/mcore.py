@@ -28,7 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.model.build_options import BuildOptions
 from megatron_tlt.model.layers import SDPACoreAttention, SequenceParallelRMSNorm
 

@@ -15,10 +15,10 @@ import torch
 
 from megatron_tlt.device import module_device, to_device
 from megatron_tlt.formats import weights
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.formats.hf_io import CheckpointError
 from megatron_tlt.formats.policy_meta import MODEL_SUBDIR, PolicyCheckpointMeta
 from megatron_tlt.model import mcore
-from megatron_tlt.model.architecture import PolicyArchitecture
 from megatron_tlt.model.build_options import BuildOptions
 from megatron_tlt.model.lm_training import token_width
 

@@ -6,7 +6,7 @@ planner's own: ``tlt train`` meets the cluster only when torchrun starts it."""
 from __future__ import annotations
 
 from megatron_tlt import layout_rules
-from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.plan.model import PlanError
 
 

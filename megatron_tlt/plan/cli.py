@@ -20,7 +20,7 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-from megatron_tlt.model.architecture import ModelConfigError
+from megatron_tlt.formats.architecture import ModelConfigError
 from megatron_tlt.model.build_options import ATTENTIONS, RECOMPUTES
 from megatron_tlt.plan.checks import cluster_name
 from megatron_tlt.plan.memory import DTYPE_BYTES

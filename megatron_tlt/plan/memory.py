@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.model.build_options import BuildOptions
 
 FP32 = 4

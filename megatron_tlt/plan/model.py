@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from megatron_tlt.model.architecture import (
+from megatron_tlt.formats.architecture import (
     ModelConfigError,
     PolicyArchitecture,
     architecture_from_dict,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_tlt import layout_rules
-from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.model.build_options import ATTENTIONS, RECOMPUTES
 from megatron_tlt.plan.checks import (
     check_engine_tp,

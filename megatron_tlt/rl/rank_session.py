@@ -25,7 +25,7 @@ from megatron_tlt.model import mcore
 from megatron_tlt.rl.engine_placement import engine_placement
 from megatron_tlt.rl.inputs import policy_source
 from megatron_tlt.rl.inputs.task import engine_config_for, sampling_settings
-from megatron_tlt.rl.inputs.task_source import task_source
+from megatron_tlt.rl.task_source import task_source
 from megatron_tlt.rl.weight_sync import SyncStats, sync_policy_to_engine
 from megatron_tlt.spec import kv_budget
 from megatron_tlt.spec.drafter_integrity import DrafterIntegrity, IntegrityReport

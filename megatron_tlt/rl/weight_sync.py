@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from megatron_tlt.device import module_device
 from megatron_tlt.formats import weights
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.model import mcore
-from megatron_tlt.model.architecture import PolicyArchitecture
 from megatron_tlt.spec.metrics import SpecDecodeStats
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024

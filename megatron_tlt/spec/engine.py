@@ -31,7 +31,7 @@ import torch
 
 from megatron_tlt import cpu_compat, layout_rules
 from megatron_tlt.config import RolloutEngineConfig, SpeculationConfig
-from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.spec import kv_budget, vllm_versions
 from megatron_tlt.spec.cuda_graphs import speculation_schedule
 from megatron_tlt.spec.eagle import eagle_drafter_config, validate_drafter

@@ -21,7 +21,7 @@ import dataclasses
 import math
 
 from megatron_tlt.config import RolloutEngineConfig, TLTConfig
-from megatron_tlt.model.architecture import PolicyArchitecture
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.plan.memory import DTYPE_BYTES, FP32, kv_cache_bytes_per_token
 
 GIB = 1 << 30

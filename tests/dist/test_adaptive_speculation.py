@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from lossless_sampling import NUM_SAMPLES, PROMPT, SIGNIFICANCE, goodness_of_fit_p_values
 
+from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.model.architecture import architecture_from_dict
 from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
 K = 3

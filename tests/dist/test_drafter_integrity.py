@@ -8,8 +8,8 @@ greedy step, and its target's greedy chain is known in closed form (the output w
 
 import pytest
 
+from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.model.architecture import architecture_from_dict
 from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
 K = 3

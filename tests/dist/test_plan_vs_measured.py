@@ -39,8 +39,8 @@ def _measure_on_rank(cases: list[list[str]]) -> list[dict]:
     import torch
 
     from megatron_tlt import config as tlt_config
+    from megatron_tlt.formats.architecture import load_architecture
     from megatron_tlt.model import mcore
-    from megatron_tlt.model.architecture import load_architecture
     from megatron_tlt.model.lm_training import LMMicroBatch, lm_train_step
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.plan.memory_meter import PeakMemoryMeter

@@ -664,7 +664,7 @@ def exported_policy(env, spot_run, tmp_path_factory):
 
 
 def test_the_exported_policy_matches_the_megatron_policy_of_the_run(spot_run, exported_policy, sample_input_ids):
-    from megatron_tlt.model.parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
+    from megatron_tlt.parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
 
     ckpt = spot_run / "checkpoints" / "step_000004" / "policy"
     assert megatron_vs_hf_max_abs_diff(ckpt, exported_policy, tp=1, pp=1, input_ids_bs=sample_input_ids) < PARITY_TOLERANCE

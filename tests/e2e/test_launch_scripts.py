@@ -299,7 +299,7 @@ def test_flagship_config_loads_and_its_layout_fills_64_gpus():
     assert config.speculation.adaptive and config.speculation.max_speculative_batch == 32
     assert config.trainer.prompts_per_step % p.data_parallel_size == 0
     if SHIPPED_70B_MODEL.joinpath("config.json").is_file():  # shipped beside `tlt plan`
-        from megatron_tlt.model.architecture import load_architecture
+        from megatron_tlt.formats.architecture import load_architecture
 
         load_architecture(SHIPPED_70B_MODEL).validate_layout(tensor_parallel_size=p.tensor_parallel_size,
                                                              pipeline_parallel_size=p.pipeline_parallel_size)

@@ -5,7 +5,7 @@ unrolling over draft steps, and what it exports stays vLLM's tensors in bf16."""
 import pytest
 import torch
 
-from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
 
 pytestmark = pytest.mark.needs("cuda")

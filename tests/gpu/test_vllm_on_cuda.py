@@ -55,7 +55,7 @@ def test_vllm_greedy_with_eagle_equals_megatron_greedy_after_a_weight_sync(rollo
 
 
 def _fixture_engine_on_rank(workdir: str, sampled_prompt: list[int], num_samples: int) -> dict:
-    from megatron_tlt.model.architecture import architecture_from_dict
+    from megatron_tlt.formats.architecture import architecture_from_dict
     from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.spec.drafter_integrity import checksum_mismatches, expected_checksums
@@ -126,7 +126,7 @@ def test_the_drafter_read_back_from_the_gpu_engine_is_the_one_pushed(fixture_eng
 
 
 def test_sampling_with_speculation_on_cuda_keeps_the_targets_distribution(fixture_engine, lossless_sampling):
-    from megatron_tlt.model.architecture import architecture_from_dict
+    from megatron_tlt.formats.architecture import architecture_from_dict
     from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
     exact = next_token_fixture(architecture_from_dict(TINY_LLAMA_ROLLOUT))["next_probs"]

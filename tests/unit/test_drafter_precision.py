@@ -19,7 +19,7 @@ from megatron_tlt.drafter.precision import (
     fp8_unavailable_reason,
     resolve_precision,
 )
-from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
 
 REPO = Path(__file__).resolve().parents[2]

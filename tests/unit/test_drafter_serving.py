@@ -7,7 +7,7 @@ import torch
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.quality import AcceptanceTally
 from megatron_tlt.drafter.serving import MeasureSettings, ServingDrafter, candidate_wins, quality_fields
-from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
 
 ARCH = architecture_from_dict(TINY_LLAMA)

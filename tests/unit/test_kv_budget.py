@@ -8,7 +8,7 @@ arithmetic predicts is checked on a real engine in ``tests/dist/test_speculative
 import pytest
 
 from megatron_tlt.config import ConfigError, RolloutEngineConfig, load_config
-from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.spec import kv_budget as K
 
 GIB = 1 << 30

@@ -2,7 +2,8 @@
 
 A module imports only from its own layer or the ones below, counting imports inside functions too
 (a lazy import runs back up the layering just the same), and no two modules import each other, directly
-or round a longer circle.
+or round a longer circle. One level up the same holds of packages: none imports a package that imports it
+back (a module at the package root counts as a package of its own).
 """
 
 from __future__ import annotations
@@ -55,25 +56,77 @@ def test_no_module_imports_from_a_higher_layer():
     assert not upward, "imports that run back up the layering:\n" + "\n".join(upward)
 
 
-def test_no_import_cycles():
-    graph = _imports()
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph``, each found once, where the search first closes it. ``megatron_tlt`` itself is left
+    out: ``from megatron_tlt import config`` names it beside ``megatron_tlt.config``."""
     cycles, state = [], {}
 
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = "open"
-        for target in sorted(graph[module]):
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
             if target == "megatron_tlt":
                 continue
             if state.get(target) == "open":
-                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+                cycles.append(path[path.index(target):] + [target])
             elif target not in state:
                 visit(target, path + [target])
-        state[module] = "done"
+        state[node] = "done"
 
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
-    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_imports())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _package(module: str) -> str:
+    """The package ``module`` belongs to: its folder (``megatron_tlt.rl.inputs`` for ``rl/inputs/task.py``), or at
+    the package root the module itself (``megatron_tlt.parallel``): the root holds modules side by side, as units."""
+    parts = module.split(".")
+    if (PACKAGE_DIR.parent.joinpath(*parts)).is_dir() or len(parts) <= 2:
+        return module
+    return ".".join(parts[:-1])
+
+
+def _arrows_between_packages(imports: dict[str, set[str]]) -> dict[str, dict[str, str]]:
+    """package -> the packages it imports -> one module import that does (for the message)."""
+    edges: dict[str, dict[str, str]] = {}
+    for module, targets in imports.items():
+        for target in sorted(targets):
+            if _package(target) != _package(module):
+                edges.setdefault(_package(module), {}).setdefault(_package(target), f"{module} imports {target}")
+    return edges
+
+
+def _package_cycles(imports: dict[str, set[str]]) -> list[str]:
+    edges = _arrows_between_packages(imports)
+    return [" -> ".join(c) + " (" + "; ".join(edges[a][b] for a, b in zip(c, c[1:])) + ")"
+            for c in _cycles({package: set(targets) for package, targets in edges.items()})]
+
+
+def test_no_package_imports_a_package_that_imports_it_back():
+    cycles = _package_cycles(_imports())
+    assert not cycles, "packages that import each other:\n" + "\n".join(cycles)
+
+
+def test_the_package_check_catches_the_arrows_that_ran_back_up_between_packages():
+    """As they stood before issue 48: formats/ read model/architecture.py while model/policy.py read formats/,
+    and model/parity.py read parallel.py, which reads model/mcore.py. Neither was a cycle of modules."""
+    imports = {"megatron_tlt.formats.weights": {"megatron_tlt.model.architecture"},
+               "megatron_tlt.model.policy": {"megatron_tlt.formats.weights"},
+               "megatron_tlt.model.parity": {"megatron_tlt.parallel"},
+               "megatron_tlt.parallel": {"megatron_tlt.model.mcore"}}
+    assert not _cycles(imports)
+    assert _package_cycles(imports) == [
+        "megatron_tlt.formats -> megatron_tlt.model -> megatron_tlt.formats (megatron_tlt.formats.weights imports "
+        "megatron_tlt.model.architecture; megatron_tlt.model.policy imports megatron_tlt.formats.weights)",
+        "megatron_tlt.model -> megatron_tlt.parallel -> megatron_tlt.model (megatron_tlt.model.parity imports "
+        "megatron_tlt.parallel; megatron_tlt.parallel imports megatron_tlt.model.mcore)",
+    ]
 
 
 # The tiny default's own modules, and the one task source that serves them (rl/tiny/tiny_source.py).

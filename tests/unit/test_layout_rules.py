@@ -9,8 +9,8 @@ import pytest
 
 from megatron_tlt import layout_rules
 from megatron_tlt.config import ConfigError, load_config
+from megatron_tlt.formats.architecture import ModelConfigError, architecture_from_dict
 from megatron_tlt.layout_rules import LayoutError, check_run_layout
-from megatron_tlt.model.architecture import ModelConfigError, architecture_from_dict
 from megatron_tlt.plan import cli as plan_cli
 from megatron_tlt.plan import search as P
 from megatron_tlt.plan.model import PlanError

@@ -2,7 +2,7 @@ import logging
 
 import pytest
 
-from megatron_tlt.model.architecture import ModelConfigError, architecture_from_dict
+from megatron_tlt.formats.architecture import ModelConfigError, architecture_from_dict
 from megatron_tlt.model.tiny_models import TINY_LLAMA, TINY_QWEN2
 
 
@@ -55,7 +55,7 @@ def test_unsupported_architecture_is_refused_by_name():
 def test_a_config_without_architectures_is_read_from_its_model_type_and_says_so(base, model_type, architecture,
                                                                                caplog):
     cfg = {k: v for k, v in base.items() if k != "architectures"} | {"model_type": model_type}
-    with caplog.at_level(logging.INFO, logger="megatron_tlt.model.architecture"):
+    with caplog.at_level(logging.INFO, logger="megatron_tlt.formats.architecture"):
         arch = architecture_from_dict(cfg, source="hf/config.json")
     assert arch.architecture == architecture and arch == architecture_from_dict(base)
     # every config.json written from it (engine, export, checkpoint metadata) names the class

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.plan import cli as plan_cli
 from megatron_tlt.plan import memory as M
 from megatron_tlt.plan import search as P

@@ -3,7 +3,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_tlt.formats import weights
-from megatron_tlt.model.architecture import architecture_from_dict
+from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.model.tiny_models import TINY_LLAMA, TINY_QWEN2
 
 

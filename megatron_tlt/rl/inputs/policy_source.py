@@ -14,9 +14,9 @@ import torch
 
 from megatron_tlt.config import TLTConfig, build_options
 from megatron_tlt.formats import policy_meta
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.formats.hf_io import HFCheckpointReader
 from megatron_tlt.model import mcore, policy
-from megatron_tlt.model.architecture import PolicyArchitecture
 from megatron_tlt.model.build_options import BuildOptions
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_tlt.config import TLTConfig
+from megatron_tlt.formats.architecture import PolicyArchitecture, load_architecture
 from megatron_tlt.formats.tokenizer import load_tokenizer
-from megatron_tlt.model.architecture import PolicyArchitecture, load_architecture
 from megatron_tlt.rl.inputs.data import PromptDataConfig, load_prompt_dataset
 from megatron_tlt.rl.inputs.task import Task
 

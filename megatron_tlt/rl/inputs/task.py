@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Protocol
 
 from megatron_tlt.config import RolloutEngineConfig, TLTConfig
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.formats.tokenizer import Tokenizer
 from megatron_tlt.layout_rules import resolve_engine_tp
-from megatron_tlt.model.architecture import PolicyArchitecture
 from megatron_tlt.rl.inputs.data import PromptDataset, PromptExample
 from megatron_tlt.spec.engine import SamplingSettings
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from megatron_tlt import atomic_files
 from megatron_tlt.config import TLTConfig
+from megatron_tlt.formats.architecture import PolicyArchitecture, architecture_from_dict
 from megatron_tlt.formats.tokenizer import Tokenizer, load_tokenizer
-from megatron_tlt.model.architecture import PolicyArchitecture, architecture_from_dict
 from megatron_tlt.rl.inputs.data import DataReport, PromptDataset, PromptExample
 from megatron_tlt.rl.run.artifact_cache import cache_key
 from megatron_tlt.rl.tiny import synthetic_task

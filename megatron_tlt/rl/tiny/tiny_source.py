@@ -13,8 +13,8 @@ from pathlib import Path
 
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.formats import policy_meta
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.formats.tokenizer import Tokenizer
-from megatron_tlt.model.architecture import PolicyArchitecture
 from megatron_tlt.rl.inputs.task import Task
 from megatron_tlt.rl.run.artifact_cache import cache_key, cache_root, warmup_recipe
 from megatron_tlt.rl.tiny import shipped_start, tiny_default

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from megatron_tlt import atomic_files
 from megatron_tlt.config import TLTConfig, build_options
 from megatron_tlt.device import module_device, to_device
+from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.formats.tokenizer import Tokenizer
 from megatron_tlt.model import mcore, policy
-from megatron_tlt.model.architecture import PolicyArchitecture
 from megatron_tlt.model.lm_training import LMMicroBatch, length_sorted_chunks, lm_train_step
 from megatron_tlt.rl.inputs import policy_source
 from megatron_tlt.rl.run import checkpoint

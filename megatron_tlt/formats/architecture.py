@@ -4,6 +4,9 @@ Only what the Megatron-Core model and the weight maps need is kept, in one froze
 rest of the code never touches raw HF dictionaries. Supported families: Llama-3.x
 (``LlamaForCausalLM``) and Qwen2/Qwen2.5 (``Qwen2ForCausalLM``, which adds a bias to q/k/v), named by the
 config's ``architectures`` list or, in configs without one, by its ``model_type`` (``llama``, ``qwen2``).
+
+It sits in ``formats/`` because both sides read it: the converters and checkpoint files of this package
+(``weights.py``, ``policy_meta.py``) and the model built from it (``model/``), which reads ``formats/``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Logit parity between a Megatron checkpoint and the HF model it came from.
 
 The test suite runs it at TP=1, TP=2 and PP=2. The HF logits come from transformers on the same rank, in fp32.
+It runs the policy (``model/``) on the ranks of a ``ParallelLayout`` (``parallel.py``, which builds on ``model/``):
+so it sits here, beside ``parallel.py``, above both.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Which task source a run has (``rl/inputs/task.py``'s ``TaskSource``): the only place that asks whether the
-config names a model of its own."""
+config names a model of its own. Above both kinds: the tiny default's (``rl/tiny/``) and yours (``rl/inputs/``)."""
 
 from __future__ import annotations
 
