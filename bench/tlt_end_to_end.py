@@ -10,6 +10,17 @@ beside them the peers' ways of keeping a drafter, with the same speculation:
     python bench/tlt_end_to_end.py --no-frozen --no-serial   # only TLT off and TLT on
     python bench/tlt_end_to_end.py --steps 40 --repeats 2 # off, on, frozen, serial, then reversed: drift cancels
     python bench/tlt_end_to_end.py --no-frozen --variant goodput speculation.policy=goodput   # another TLT-on arm
+    python bench/tlt_end_to_end.py --no-serial                       # 5a: online vs frozen from the cold start
+    python bench/tlt_end_to_end.py --no-serial --start random        # 5b: a weak start, and the cold start frozen
+    python bench/tlt_end_to_end.py --no-serial --drift-lr 1e-3       # 5c: a policy that moves far
+
+Weak start (``--start random``): TLT on and the frozen arm start from a randomly initialised drafter (the
+seeded initialisation a run without a cold start has), and one more arm, ``cold``, runs the in-domain cold start
+kept frozen; its time counts the cold start's own wall time (``--cold-start-seconds``, else measured here by
+making one afresh: the separate distillation stage TLT claims to replace). Drift (``--drift-lr``): every arm
+trains the policy at this learning rate, so that it moves far from where the drafter was cold-started; each
+arm's held-out measure (``drafter/quality/*``: the serving drafter and the cold start, on the same step's
+policy) is the staleness curve.
 
 Both runs use the same seeds and the same number of steps; each repeat draws other samples
 (``rollout.sampling_seed``), the same for every arm where a seed fixes them. TLT on starts its drafter from the
@@ -92,6 +103,14 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep the runs' directories under this one (off-1/, on-1/, frozen-1/, ...) instead of a "
                              "temporary one")
+    parser.add_argument("--start", choices=("cold", "random"), default="cold",
+                        help="the drafter TLT on and the frozen arm start from: the in-domain cold start (default) or "
+                             "a random initialisation (a weak start; adds the arm 'cold', the cold start frozen)")
+    parser.add_argument("--cold-start-seconds", type=float, default=None,
+                        help="with --start random: the cold start's wall time, counted in the 'cold' arm's time "
+                             "(default: measured by making one afresh, once)")
+    parser.add_argument("--drift-lr", type=float, default=None,
+                        help="the policy's learning rate in every arm (optimizer.lr): a policy that moves far")
     parser.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                         help="one more TLT-on arm: a name, then its overrides on top of TLT on's, e.g. --variant "
                              "goodput speculation.policy=goodput (repeatable; put the shared overrides after --)")
@@ -100,8 +119,10 @@ def main() -> None:
     if args.repeats < 1 or args.steps < 2:
         parser.error("--repeats must be >= 1 and --steps >= 2 (step 1 is left out of the times)")
     variants = {name: extra for name, *extra in args.variant}
-    if len(variants) != len(args.variant) or {"off", "on", "frozen", "serial"} & set(variants):
-        parser.error("--variant names must be distinct and none of off, on, frozen, serial")
+    if len(variants) != len(args.variant) or {"off", "on", "frozen", "serial", "cold"} & set(variants):
+        parser.error("--variant names must be distinct and none of off, on, frozen, serial, cold")
+    if args.drift_lr is not None:
+        args.overrides = [*args.overrides, f"optimizer.lr={args.drift_lr}"]
     if args.depth is None:  # the default's own depth, so that the bench measures what `tlt train` runs
         from megatron_tlt.config import load_config
 
@@ -115,11 +136,19 @@ def main() -> None:
     common = [f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0", *args.overrides]
     # Both arms say what they are: the default has TLT on, and an override may change that.
     tlt_off = ["drafter.speculative_tokens=0", "drafter.spot_training=false"]
-    tlt_on = [f"drafter.speculative_tokens={args.depth}", "drafter.spot_training=true", "speculation.adaptive=true",
-              f"drafter.init_dir={args.drafter}"]
+    speculating = [f"drafter.speculative_tokens={args.depth}", "speculation.adaptive=true"]
+    in_domain = [f"drafter.init_dir={args.drafter}"]
+    start = in_domain if args.start == "cold" else ["drafter.init_dir=null", "drafter.cold_start=false"]
+    tlt_on = speculating + ["drafter.spot_training=true"] + start
     arms = {"off": common + tlt_off, "on": common + tlt_on}
     if args.frozen:
         arms["frozen"] = common + tlt_on + ["drafter.spot_training=false"]
+    cold_start_seconds = 0.0
+    if args.start == "random":  # the in-domain cold start, frozen: what TLT from a weak start must beat
+        arms["cold"] = common + speculating + ["drafter.spot_training=false"] + in_domain
+        cold_start_seconds = args.cold_start_seconds
+        if cold_start_seconds is None:
+            cold_start_seconds = _time_a_cold_start(args.overrides)
     if args.serial:  # its rows per step are TLT on's of the latest run, known only then (_serial_tokens)
         arms["serial"] = common + tlt_on + ["drafter.schedule=serial"]
     arms |= {name: common + tlt_on + extra for name, extra in variants.items()}
@@ -177,6 +206,9 @@ def main() -> None:
     for name in variants:
         _print_variant(runs, name)
     _print_arms(runs, half)
+    _print_quality(runs)
+    if "cold" in runs:
+        _print_weak_start(runs, cold_start_seconds)
     print(f"end-to-end step time, TLT off / on over steps 2-{args.steps}: {total:.3f}x")
 
 
@@ -234,6 +266,78 @@ def _print_arms(runs: dict[str, list[list[dict]]], half: int) -> None:
         end = min(start + chunk, steps)
         print(f"  {start + 1:3d}-{end:<3d} " + "  ".join(
             f"{statistics.fmean(_acceptance(records, start, end) for records in runs[arm]):6.2f}" for arm in speculating))
+
+
+def _time_a_cold_start(overrides: list[str]) -> float:
+    """Wall seconds of making the config's cold-start drafter afresh (in a temporary directory, not the cache)."""
+    import time
+
+    from megatron_tlt.commands.start import cold_start_settings, load_config, start_drafter_warmup
+
+    config = load_config(CONFIG, overrides)
+    with tempfile.TemporaryDirectory() as directory:
+        started = time.perf_counter()
+        start_drafter_warmup(CONFIG, overrides, policy=None, out_dir=str(Path(directory) / "drafter"),
+                             settings=cold_start_settings(config))
+        seconds = time.perf_counter() - started
+    print(f"  the cold start took {seconds:.1f} s (made afresh)", flush=True)
+    return seconds
+
+
+def _quality(records: list[dict], key: str, start: int, end: int) -> float:
+    values = [r[key] for r in records[start:end] if r.get(key) is not None]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def _print_quality(runs: dict[str, list[list[dict]]]) -> None:
+    """Each speculating arm's serving drafter measured apart from the rollout (``drafter/quality/*``: teacher-forced
+    expected acceptance length at the engine's depth on a held-out slice of each step's rollouts), beside the cold
+    start on the same rows, by windows of steps; then online / frozen on it, the depth BEG-MAB chose held fixed."""
+    arms = [arm for arm in runs if any("drafter/quality/expected_acceptance_length" in r for r in runs[arm][0])]
+    if not arms:
+        return
+    steps = len(runs[arms[0]][0])
+    chunk = max(1, steps // 8)
+    print("  held-out expected acceptance length of the serving drafter (cold start on the same rows), mean over "
+          "repeats: " + ", ".join(arms))
+    for start in range(0, steps, chunk):
+        end = min(start + chunk, steps)
+        cells = []
+        for arm in arms:
+            serving = statistics.fmean(_quality(r, "drafter/quality/expected_acceptance_length", start, end)
+                                       for r in runs[arm])
+            cold = statistics.fmean(_quality(r, "drafter/quality/cold_start_expected_acceptance_length", start, end)
+                                    for r in runs[arm])
+            cells.append(f"{serving:5.2f} ({cold:5.2f})")
+        print(f"  {start + 1:3d}-{end:<3d} " + "  ".join(cells))
+    last = max(0, steps - 20)
+    for online, frozen in (("on", "frozen"), ("on", "cold")):
+        if online in arms and frozen in arms:
+            ratios = [_quality(a, "drafter/quality/expected_acceptance_length", last, steps)
+                      / _quality(b, "drafter/quality/expected_acceptance_length", last, steps)
+                      for a, b in zip(runs[online], runs[frozen])]
+            se = f" (SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f})" if len(ratios) > 1 else ""
+            print(f"  held-out acceptance {online} / {frozen}, steps {last + 1}-{steps}: "
+                  f"{statistics.fmean(ratios):.3f}x{se}")
+    if "on" in arms:
+        pushes = [(r[-1].get("drafter/pushes", 0), r[-1].get("drafter/pushes_declined", 0)) for r in runs["on"]]
+        print("  TLT on's push gate, per repeat (pushed, declined): " + ", ".join(f"{p}/{d}" for p, d in pushes))
+
+
+def _print_weak_start(runs: dict[str, list[list[dict]]], cold_start_seconds: float) -> None:
+    """TLT from a weak start against the in-domain cold start frozen, the cold start's own time counted: the time
+    from nothing to the last step, and the step at which the online drafter first reaches the frozen cold start's
+    held-out acceptance (its mean over the run)."""
+    key = "drafter/quality/expected_acceptance_length"
+    for repeat, (online, cold) in enumerate(zip(runs["on"], runs["cold"]), start=1):
+        target = _quality(cold, key, 0, len(cold))
+        reached = next((r["step"] for r in online if r.get(key) is not None and r[key] >= target), None)
+        tlt_time = sum(r["step_seconds"] for r in online)
+        cold_time = sum(r["step_seconds"] for r in cold) + cold_start_seconds
+        print(f"  repeat {repeat}: from a random drafter TLT reached the cold start's held-out acceptance "
+              f"({target:.2f}) at step {reached if reached is not None else 'never'}; time to step {len(online)}: "
+              f"TLT {tlt_time:.0f} s, cold start + frozen {cold_time:.0f} s ({cold_start_seconds:.0f} s of it the "
+              f"cold start): {cold_time / tlt_time:.3f}x")
 
 
 def _print_variant(runs: dict[str, list[list[dict]]], name: str) -> None:
