@@ -319,6 +319,13 @@ def _print_quality(runs: dict[str, list[list[dict]]]) -> None:
             se = f" (SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f})" if len(ratios) > 1 else ""
             print(f"  held-out acceptance {online} / {frozen}, steps {last + 1}-{steps}: "
                   f"{statistics.fmean(ratios):.3f}x{se}")
+    for arm in arms:  # paired on the same rows and policy: the serving drafter over the cold start, within an arm
+        ratios = [statistics.fmean(r["drafter/quality/expected_acceptance_length"]
+                                   / r["drafter/quality/cold_start_expected_acceptance_length"]
+                                   for r in records[last:] if r.get("drafter/quality/expected_acceptance_length"))
+                  for records in runs[arm]]
+        print(f"  {arm}: serving / cold start on the same held-out rows, steps {last + 1}-{steps}: "
+              f"{statistics.fmean(ratios):.3f}x")
     if "on" in arms:
         pushes = [(r[-1].get("drafter/pushes", 0), r[-1].get("drafter/pushes_declined", 0)) for r in runs["on"]]
         print("  TLT on's push gate, per repeat (pushed, declined): " + ", ".join(f"{p}/{d}" for p, d in pushes))
