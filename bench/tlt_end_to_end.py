@@ -13,6 +13,7 @@ beside them the peers' ways of keeping a drafter, with the same speculation:
     python bench/tlt_end_to_end.py --no-serial                       # 5a: online vs frozen from the cold start
     python bench/tlt_end_to_end.py --no-serial --start random        # 5b: a weak start, and the cold start frozen
     python bench/tlt_end_to_end.py --no-serial --drift-lr 1e-3       # 5c: a policy that moves far
+    python bench/tlt_end_to_end.py --no-off --no-serial ...          # the drafters only (ratios against 'on')
 
 Weak start (``--start random``): TLT on and the frozen arm start from a randomly initialised drafter (the
 seeded initialisation a run without a cold start has), and one more arm, ``cold``, runs the in-domain cold start
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--drafter", default=None, help="initial drafter directory (default: the cached warm-up)")
     parser.add_argument("--no-frozen", dest="frozen", action="store_false",
                         help="skip the frozen-drafter run (speculation with the cold-start drafter, no spot training)")
+    parser.add_argument("--no-off", dest="off", action="store_false",
+                        help="skip the TLT-off run (the comparisons of drafters need only the speculating arms)")
     parser.add_argument("--no-serial", dest="serial", action="store_false",
                         help="skip the serial co-training run (the peers' schedule: the drafter trains after the "
                              "update, on the critical path, as many rows a step as TLT on trained in the idle time)")
@@ -140,7 +143,8 @@ def main() -> None:
     in_domain = [f"drafter.init_dir={args.drafter}"]
     start = in_domain if args.start == "cold" else ["drafter.init_dir=null", "drafter.cold_start=false"]
     tlt_on = speculating + ["drafter.spot_training=true"] + start
-    arms = {"off": common + tlt_off, "on": common + tlt_on}
+    arms = {"off": common + tlt_off} if args.off else {}
+    arms["on"] = common + tlt_on
     if args.frozen:
         arms["frozen"] = common + tlt_on + ["drafter.spot_training=false"]
     cold_start_seconds = 0.0
@@ -164,13 +168,31 @@ def main() -> None:
             for arm in (list(arms) if repeat % 2 == 0 else list(arms)[::-1]):  # "on" runs before "serial" first
                 extra = [f"drafter.serial_tokens={_serial_tokens(runs['on'][-1])}"] if arm == "serial" else []
                 runs[arm].append(_run(root / f"{arm}-{repeat + 1}", arms[arm] + draws + extra))
+    half = args.steps // 2
+    if "off" in runs:
+        _print_against_off(runs, args, half)
+    if args.frozen:
+        _print_frozen_baseline(runs, half)
+    for name in variants:
+        _print_variant(runs, name)
+    _print_arms(runs, half)
+    _print_quality(runs)
+    if "cold" in runs:
+        _print_weak_start(runs, cold_start_seconds)
+    if "off" in runs:
+        total = _seconds(runs, "off", "step_seconds") / _seconds(runs, "on", "step_seconds")
+        print(f"end-to-end step time, TLT off / on over steps 2-{args.steps}: {total:.3f}x")
+
+
+def _print_against_off(runs: dict[str, list[list[dict]]], args, half: int) -> None:
+    """TLT on (and frozen) against TLT off: phase times, per-repeat step ratios, reward and accuracy curves."""
     def seconds(arm: str, key: str, repeat: int | None = None) -> float:
         return _seconds(runs, arm, key, repeat)
 
     for key in PHASES:
         a, b = seconds("off", key), seconds("on", key)
         line = f"  {key:16s} TLT off {a:8.2f}s  TLT on {b:8.2f}s  speedup {a / b:5.2f}x"
-        if args.frozen:
+        if "frozen" in runs:
             c = seconds("frozen", key)
             line += f"   frozen {c:8.2f}s  speedup {a / c:5.2f}x"
         print(line)
@@ -190,7 +212,6 @@ def main() -> None:
               f"{_window_mean(on, 'reward_mean', start, end):.3f}      "
               f"{_window_mean(off, 'accuracy', start, end):.3f} / {_window_mean(on, 'accuracy', start, end):.3f}"
               f"          {statistics.fmean(accept):.2f}")
-    half = args.steps // 2
     print(f"  last {args.steps - half} steps: reward off {_window_mean(off, 'reward_mean', half, args.steps):.3f}, "
           f"on {_window_mean(on, 'reward_mean', half, args.steps):.3f}" + (
               f"; reward std over steps (off, repeat 1) {statistics.stdev(r['reward_mean'] for r in off_tail):.3f}"
@@ -200,16 +221,6 @@ def main() -> None:
                 for a, b in zip(runs["off"], runs["on"])]
         print(f"  reward on - off over those steps, per repeat: mean {statistics.fmean(gaps):+.3f} "
               f"(SE {statistics.stdev(gaps) / len(gaps) ** 0.5:.3f})")
-    total = seconds("off", "step_seconds") / seconds("on", "step_seconds")
-    if args.frozen:
-        _print_frozen_baseline(runs, half)
-    for name in variants:
-        _print_variant(runs, name)
-    _print_arms(runs, half)
-    _print_quality(runs)
-    if "cold" in runs:
-        _print_weak_start(runs, cold_start_seconds)
-    print(f"end-to-end step time, TLT off / on over steps 2-{args.steps}: {total:.3f}x")
 
 
 def _print_frozen_baseline(runs: dict[str, list[list[dict]]], half: int) -> None:
@@ -222,6 +233,8 @@ def _print_frozen_baseline(runs: dict[str, list[list[dict]]], half: int) -> None
     print(f"  acceptance length, steps {half + 1}-{len(runs['on'][0])}: online drafter {online:.2f}, frozen after the "
           f"cold start {still:.2f}: ratio {online / still:.3f}x (accepted draft tokens: "
           f"{(online - 1) / (still - 1):.3f}x)")
+    if "off" not in runs:
+        return
     print(f"  step time TLT off / frozen drafter: "
           f"{_seconds(runs, 'off', 'step_seconds') / _seconds(runs, 'frozen', 'step_seconds'):.3f}x; rollout "
           f"{_seconds(runs, 'off', 'rollout_seconds') / _seconds(runs, 'frozen', 'rollout_seconds'):.3f}x")
@@ -247,14 +260,15 @@ def _print_arms(runs: dict[str, list[list[dict]]], half: int) -> None:
         se = f" SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f}" if len(ratios) > 1 else ""
         return f"{statistics.fmean(ratios):.3f}x{se}"
 
-    steps = len(runs["off"][0])
-    print(f"  per arm, steps 2-{steps}, every repeat (ratios: TLT off's time / the arm's, mean over repeats):")
+    base = "off" if "off" in runs else next(iter(runs))
+    steps = len(runs[base][0])
+    print(f"  per arm, steps 2-{steps}, every repeat (ratios: {base}'s time / the arm's, mean over repeats):")
     print(f"  {'arm':8s} {'step':>18s} {'rollout':>18s} {'acceptance':>10s} {'rows/step':>10s} {'reward, 2nd half':>17s}")
     for arm, repeats in runs.items():
         rows = [sum(r.get("drafter/tokens_trained", [0])) for records in repeats for r in records[1:]]
         reward = statistics.fmean(_window_mean(records, "reward_mean", half, steps) for records in repeats)
         accept = statistics.fmean(_acceptance(records, 1, steps) for records in repeats)
-        print(f"  {arm:8s} {per_repeat('off', arm, 'step_seconds'):>18s} {per_repeat('off', arm, 'rollout_seconds'):>18s}"
+        print(f"  {arm:8s} {per_repeat(base, arm, 'step_seconds'):>18s} {per_repeat(base, arm, 'rollout_seconds'):>18s}"
               f" {accept:10.2f} {statistics.fmean(rows):10.0f} {reward:17.3f}")
     if "serial" in runs:
         print(f"  step time serial co-training / TLT on: {per_repeat('serial', 'on', 'step_seconds')}; rollout "
@@ -349,7 +363,7 @@ def _print_weak_start(runs: dict[str, list[list[dict]]], cold_start_seconds: flo
 
 def _print_variant(runs: dict[str, list[list[dict]]], name: str) -> None:
     """A --variant arm against TLT off and TLT on: step and rollout time ratios, per repeat with their spread."""
-    for base in ("off", "on"):
+    for base in [b for b in ("off", "on") if b in runs]:
         ratios = _repeat_ratios(runs, base, name, "step_seconds")
         spread = f" (SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f})" if len(ratios) > 1 else ""
         step = _seconds(runs, base, "step_seconds") / _seconds(runs, name, "step_seconds")
