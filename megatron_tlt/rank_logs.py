@@ -305,10 +305,13 @@ class RankOutput:
                          errors="backslashreplace")
 
     def _replay(self, held: list[logging.LogRecord]) -> None:
-        """The fork server's records, alike in every rank: into every rank's file, to the console once."""
+        """The fork server's records, alike in every rank: into every rank's file, to the console once. Without a
+        log directory only those at the console's level (``Logger.handle`` itself checks no level: the INFO
+        records of Megatron-FSDP's import reached the console of ``tlt warmup-drafter``)."""
+        root = logging.getLogger()
         for record in held:
-            if self.rank == 0:
-                logging.getLogger().handle(record)
+            if self.rank == 0 and record.levelno >= root.getEffectiveLevel():
+                root.handle(record)
             elif self._file_handler is not None and record.levelno >= logging.INFO:
                 self._file_handler.handle(record)
 

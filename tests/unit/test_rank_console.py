@@ -12,6 +12,7 @@ from megatron_tlt.rank_logs import (
     RankLogSettings,
     RankOutput,
     console,
+    hold_import_records,
     launch_records_to_file,
     silence_known_harmless_records,
 )
@@ -164,3 +165,79 @@ def test_torchs_deprecation_notice_for_enums_torchao_registers_is_dropped_and_ot
     kept = [r for r in (logging.LogRecord(pytree.name, logging.WARNING, __file__, 1, message, None, None)
                         for message in (notice, "some other pytree warning")) if pytree.filter(r)]
     assert [r.getMessage() for r in kept] == ["some other pytree warning"]
+
+
+# What a rank of `tlt warmup-drafter` printed on a 2-core machine before its ranks had logs (2026-11-29): the first
+# five records as the fork server's imports log them (held for the ranks), the rest as the rank itself does.
+_IMPORT_NOTICES = (
+    ("megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision", logging.INFO,
+     "Using Megatron-FSDP without Transformer Engine."),
+    ("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp", logging.INFO,
+     "Detected Megatron Core, using Megatron-FSDP with Megatron."),
+    ("torchao", logging.WARNING, "Failed to load /site-packages/torchao/_C_mxfp8.so: Could not load this library"),
+    ("vllm.triton_utils.importing", logging.WARNING, "Triton is installed, but doesn't include CPU backend. "
+     "Disabling Triton."),
+    ("vllm.triton_utils.importing", logging.INFO, "Triton not installed or not compatible; certain GPU-related "
+     "functions will not be available."),
+)
+_NUMA_NOTICE = (b"[rank0]:[W1129 06:10:01.468051007 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy for "
+                b"memory allocation on the NUMA nodes (0). (function init_cpu_memory_env)\n")
+
+
+def _start_up_of_a_rank(tmp_path, monkeypatch, directory):
+    """A rank's start-up as the fork server and the rank log it, through ``RankOutput`` at the console's default
+    level; returns the rank's log (or None without a directory)."""
+    vllm_logger = logging.getLogger("vllm")  # as in a rank, where vLLM is imported after RankOutput.start
+    for name, value in (("propagate", True), ("level", logging.NOTSET), ("handlers", []), ("disabled", False)):
+        monkeypatch.setattr(vllm_logger, name, value)
+    root = logging.getLogger()
+    saved_level = root.level
+    hold_import_records()  # what preload_logging does in the fork server
+    output = None
+    try:
+        for name, level, message in _IMPORT_NOTICES:
+            logging.getLogger(name).log(level, message)
+        output = RankOutput(RankLogSettings(directory=directory, level=logging.WARNING), rank=0)
+        output.start()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("`torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` "
+                          "instead", FutureWarning)
+        os.write(2, _NUMA_NOTICE)
+        logging.getLogger("megatron_tlt.commands.warmup_drafter").warning(
+            "the dataset has 18 prompts to train on, fewer than the 512 asked for")
+        logging.getLogger("vllm.engine").error("an engine error")
+    finally:
+        if output is not None:
+            output.stop()
+        else:  # hold_import_records' handler, had start() not taken it
+            from megatron_tlt import rank_logs
+
+            rank_logs._take_held_records()
+        root.setLevel(saved_level)
+        logging.captureWarnings(False)
+    return (tmp_path / "logs" / "rank0.log").read_text() if directory is not None else None
+
+
+def test_the_start_up_notices_of_megatron_fsdp_torchao_triton_torch_and_numa_stay_in_the_rank_log(
+        tmp_path, capfd, monkeypatch):
+    """`tlt train` and `tlt warmup-drafter` (the cold start included) run their ranks with logs: other libraries'
+    start-up page goes to the rank's log, and the console keeps our own warnings and everyone's errors."""
+    log = _start_up_of_a_rank(tmp_path, monkeypatch, str(tmp_path / "logs"))
+    console_lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert console_lines == ["[rank0] WARNING: the dataset has 18 prompts to train on, fewer than the 512 asked for",
+                             "[rank0] ERROR: an engine error"]
+    for _, _, message in _IMPORT_NOTICES:
+        assert message in log, message
+    assert "FutureWarning: `torch.distributed.reduce_op` is deprecated" in log and "NUMA binding" in log
+
+
+def test_without_a_log_directory_the_fork_servers_info_records_stay_below_the_consoles_level(
+        tmp_path, capfd, monkeypatch):
+    """A command without rank logs shows records at the launching process's level (WARNING): the held INFO records
+    of the fork server's imports (Megatron-FSDP's) used to be replayed onto it all the same."""
+    _start_up_of_a_rank(tmp_path, monkeypatch, None)
+    terminal = capfd.readouterr().err
+    assert "Detected Megatron Core" not in terminal and "Megatron-FSDP" not in terminal
+    assert "Triton is installed, but doesn't include CPU backend" in terminal  # a WARNING: at the console's level
+    assert "fewer than the 512 asked for" in terminal and "an engine error" in terminal
