@@ -58,13 +58,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_warmup_drafter(args: argparse.Namespace) -> int:
-    from megatron_tlt.commands.start import start_drafter_warmup
+    from megatron_tlt.commands.start import start_drafter_warmup, warmup_log_dir
     from megatron_tlt.commands.warmup_settings import ColdStartSettings
 
     settings = ColdStartSettings(prompts=args.prompts, eval_prompts=args.eval_prompts, epochs=args.epochs,
                                  draft_tokens=args.draft_tokens)
+    announce = (f"tlt warmup-drafter: the policy answers up to {settings.prompts} prompts (and "
+                f"{settings.eval_prompts} held out), then the drafter trains {settings.epochs} epochs on its "
+                f"responses; every rank's full output in {warmup_log_dir(args.out)}")
     figures = start_drafter_warmup(_chosen_config(args), args.overrides, policy=args.policy, out_dir=args.out,
-                                   settings=settings)
+                                   settings=settings, announce=announce)
     print(f"tlt warmup-drafter: trained on {figures['tokens_trained']} tokens from {figures['train_prompts']} "
           f"responses of the policy, {figures['epochs']} epochs")
     print(f"held-out ({figures['eval_prompts']} prompts) before -> after: top-1 agreement "
@@ -149,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     warm = commands.add_parser("warmup-drafter", help="train a drafter offline on the policy's own responses")
-    warm.add_argument("--out", required=True, help="new output directory (an EAGLE drafter)")
+    warm.add_argument("--out", required=True, help="new output directory (an EAGLE drafter); every rank's full "
+                      "output goes to OUT.logs/")
     warm.add_argument("--config", default=None, help="config name under launch/configs or a YAML path "
                        "(default: tiny; hf where model.hf_dir is set)")
     warm.add_argument("--policy", default=None, metavar="RUN|CKPT",

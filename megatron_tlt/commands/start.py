@@ -100,7 +100,8 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
     if resume_dir is None and d.cold_start and d.speculative_tokens > 0 and d.init_dir is None:
         # Recorded in the run's config.yaml: a resumed run knows where its drafter started. Under torchrun
         # every rank runs this: the drafter must be made beforehand (`tlt warmup-drafter`, or one `tlt train`).
-        d.init_dir = str(cold_start_drafter(config_name, overrides, make=not under_torchrun))
+        d.init_dir = str(cold_start_drafter(config_name, overrides, make=not under_torchrun,
+                                            log_dir=run_dir / run_files.LOG_DIR / COLD_START_LOG_DIR))
         if writer:
             atomic_files.write_text_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))
     results = _run_on_engine_ranks(_train_on_rank, world_size(config), config, str(run_dir), resume_dir is not None,
@@ -114,9 +115,19 @@ def _warm_up_drafter_on_rank(config, policy_dir, out_dir: str, settings):
     return warm_up_drafter_on_rank(config, policy_dir, out_dir, settings)
 
 
+def warmup_log_dir(out_dir: str | Path) -> Path:
+    """Where a warm-up outside a run keeps its ranks' logs: ``OUT.logs`` beside its output directory."""
+    out = Path(out_dir)
+    return out.with_name(out.name + ".logs")
+
+
 def start_drafter_warmup(config_name: str | None, overrides: list[str], *, policy: str | None, out_dir: str,
-                         settings) -> dict:
-    """Warm a drafter up offline (``warmup_drafter.py``); returns its before/after figures."""
+                         settings, log_dir: str | Path | None = None, announce: str | None = None) -> dict:
+    """Warm a drafter up offline (``warmup_drafter.py``); returns its before/after figures.
+
+    Each rank's full output goes to ``log_dir/rank{N}.log`` (default ``warmup_log_dir(out_dir)``); the console
+    keeps rank 0's progress bars, our warnings and every error (``rank_logs.py``). ``announce`` is printed once the
+    input is checked, before the ranks start."""
     from megatron_tlt.formats.hf_io import check_output_dir
     from megatron_tlt.rl.run.checkpoint_paths import resolve_policy_dir
 
@@ -128,7 +139,11 @@ def start_drafter_warmup(config_name: str | None, overrides: list[str], *, polic
     check_output_dir(out_dir)
     policy_dir = str(resolve_policy_dir(policy)) if policy is not None else None
     _check_layout(config)
-    return _run_on_engine_ranks(_warm_up_drafter_on_rank, world_size(config), config, policy_dir, out_dir, settings)[0]
+    log_dir = Path(log_dir) if log_dir is not None else warmup_log_dir(out_dir)
+    if announce is not None:
+        print(announce, flush=True)
+    return _run_on_engine_ranks(_warm_up_drafter_on_rank, world_size(config), config, policy_dir, out_dir, settings,
+                                log_dir=log_dir)[0]
 
 
 def _bench_rollout_on_rank(config, policy_dir, drafter_dir: str, settings):
@@ -182,10 +197,16 @@ def cold_start_dir(config) -> Path:
     return cache_root(config.warmup.cache_dir) / f"drafter-{key}"
 
 
-def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: bool = True) -> Path:
+COLD_START_LOG_DIR = "cold_start"
+"""Under a run's ``logs/``: the ranks' logs of the cold start that run made."""
+
+
+def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: bool = True,
+                       log_dir: Path | None = None) -> Path:
     """The cold-start drafter of the config's initial policy (``tlt warmup-drafter``), installed from the
     package or made on first use (unless not ``make``) and cached: what ``drafter.cold_start`` and the
-    benchmarks start from."""
+    benchmarks start from. A warm-up it makes says on the console what it does and why before it starts, and
+    logs its ranks to ``log_dir`` (default ``warmup_log_dir`` of the cache entry)."""
     from megatron_tlt.rl.task_source import task_source
 
     config = load_config(config_name, overrides)
@@ -196,9 +217,13 @@ def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: b
         if not make:
             raise FileNotFoundError(f"drafter.cold_start: no cold-start drafter cached at {directory}; under torchrun "
                                     "make it first (the same command without torchrun) or set drafter.init_dir")
-        print(f"no drafter given: warming one up on the initial policy (cached in {directory})", flush=True)
-        start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory),
-                             settings=cold_start_settings(config))
+        settings = cold_start_settings(config)
+        log_dir = log_dir if log_dir is not None else warmup_log_dir(directory)
+        announce = (f"cold start: no drafter cached for this policy and config, so one is distilled from the initial "
+                    f"policy before RL (its responses to up to {settings.prompts} prompts, then {settings.epochs} "
+                    f"epochs of training); made once, cached in {directory}; logs in {log_dir}")
+        start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), settings=settings,
+                             log_dir=log_dir, announce=announce)
     return directory
 
 

@@ -9,7 +9,8 @@ On every rank, the same way the RL loop feeds its drafter:
   4. held-out prompts measure it before and after: top-1 agreement with the policy, and the mean
      acceptance length of the engine speculating with it.
 Rank 0 writes the drafter as an EAGLE directory (``drafter/store.py``) that ``drafter.init_dir`` starts
-an RL run from and vLLM serves.
+an RL run from and vLLM serves. On the console (``rank_logs.console``, the RL steps' too) rank 0 shows a bar per
+generation, advanced as its engine finishes prompts, and one for the training's micro-steps.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from megatron_tlt.drafter.trainer import DrafterTrainer
 from megatron_tlt.formats.hf_io import atomic_output_dir
 from megatron_tlt.model import mcore
 from megatron_tlt.parallel import ParallelLayout
+from megatron_tlt.rank_logs import console
 from megatron_tlt.rl.actor import compute_logprobs, features_on_every_stage
 from megatron_tlt.rl.inputs.data import PromptExample
 from megatron_tlt.rl.inputs.task import Task
@@ -61,6 +63,11 @@ def _split_prompts(task: Task, settings: ColdStartSettings) -> tuple[list[Prompt
     return examples[: settings.prompts], held_out
 
 
+def _progress(total: int, desc: str, unit: str, show: bool) -> tqdm:
+    """A bar on the console: the terminal, also while the rank's own output goes to its log."""
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, file=console(), disable=not show)
+
+
 class _Session:
     """One rank's policy, engine and drafter trainer for the warm-up."""
 
@@ -84,16 +91,21 @@ class _Session:
         self.engine = self.ranks.open_engine(workdir, speculative=speculative, drafter=self.trainer)
         self.ranks.sync(self.engine, self.trainer)
 
-    def generate_with_features(self, prompts: list[PromptExample], seed: int):
+    def generate_with_features(self, prompts: list[PromptExample], seed: int, what: str):
         """This DP rank's share of ``prompts`` answered by the policy (shared out over its model-parallel
-        group's engines), the sequences' features, and the speculation counts (summed over all engines)."""
+        group's engines), the sequences' features, and the speculation counts (summed over all engines).
+        Rank 0's bar, named by ``what``, counts its own engine's responses as they finish."""
         mine = prompts[self.dp_rank :: self.dp_size]
         own = self.placement.replica_share(mine)
         spec = SpecDecodeStats()
         sequences = []
         if own:
+            share = f" (rank 0's share of {len(prompts)})" if len(own) < len(prompts) else ""
+            bar = _progress(len(own), f"cold start: {what}{share}", "response", show=self.rank == 0)
             result = self.engine.generate([e.prompt_ids for e in own], self.ranks.sampling(
-                n=1, temperature=self.config.rollout.temperature, seed=seed + self.placement.leader_rank))
+                n=1, temperature=self.config.rollout.temperature, seed=seed + self.placement.leader_rank),
+                on_finished=lambda _, responses: bar.update(len(responses)))
+            bar.close()
             spec = result.spec if self.placement.is_leader else SpecDecodeStats()
             sequences = [list(e.prompt_ids) + responses[0] for e, responses in zip(own, result.token_ids)]
         gathered = [None] * self.mp_size
@@ -128,8 +140,8 @@ class _Session:
         packs = torch.tensor([self.trainer.packs_in_buffer()])
         dist.all_reduce(packs, op=dist.ReduceOp.MAX)  # equal micro-step counts keep the ranks in step
         total = 0
-        bar = tqdm(total=self.settings.epochs * int(packs), desc="drafter warm-up", unit="micro-step",
-                   disable=not show_progress)
+        bar = _progress(self.settings.epochs * int(packs), "cold start: training the drafter", "micro-step",
+                        show=show_progress)
         for epoch in range(self.settings.epochs):
             self.trainer.reset_phase_stats()
             for _ in range(int(packs)):
@@ -137,7 +149,7 @@ class _Session:
                 bar.update()
             loss = self.trainer.phase_stats()["loss"]
             total += self.trainer.average_replicas()
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}")
+            bar.set_postfix(epoch=f"{epoch + 1}/{self.settings.epochs}", loss=f"{loss:.4f}")
         bar.close()
         return total
 
@@ -155,14 +167,15 @@ def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: 
         session = _Session(config, Path(policy_dir) if policy_dir is not None else None, settings, Path(workdir))
         train_prompts, eval_prompts = _split_prompts(session.task, settings)
         seed = config.trainer.seed
-        eval_seqs, eval_feats, acceptance_before = session.generate_with_features(eval_prompts, seed)
+        eval_seqs, eval_feats, acceptance_before = session.generate_with_features(
+            eval_prompts, seed, "held-out responses, drafter before")
         before = session.evaluate(eval_seqs, eval_feats)
-        train_seqs, train_feats, _ = session.generate_with_features(train_prompts, seed + 1)
+        train_seqs, train_feats, _ = session.generate_with_features(train_prompts, seed + 1, "responses to train on")
         session.trainer.add_sequences(train_seqs, train_feats)
         tokens = session.train(show_progress=is_reporter)
         after = session.evaluate(eval_seqs, eval_feats)
         session.engine.load_drafter(session.trainer.export_tensors())
-        _, _, acceptance_after = session.generate_with_features(eval_prompts, seed)
+        _, _, acceptance_after = session.generate_with_features(eval_prompts, seed, "held-out responses, drafter after")
         figures = {
             "tokens_trained": tokens, "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
             "epochs": settings.epochs, "draft_tokens": settings.draft_tokens,
