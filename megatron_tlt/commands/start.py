@@ -9,7 +9,9 @@ imports its command's module (``train.py``, ``warmup_drafter.py``, ``bench_rollo
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import time
 from pathlib import Path
 
 from megatron_tlt import atomic_files, layout_rules
@@ -100,10 +102,13 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
     if resume_dir is None and d.cold_start and d.speculative_tokens > 0 and d.init_dir is None:
         # Recorded in the run's config.yaml: a resumed run knows where its drafter started. Under torchrun
         # every rank runs this: the drafter must be made beforehand (`tlt warmup-drafter`, or one `tlt train`).
-        d.init_dir = str(cold_start_drafter(config_name, overrides, make=not under_torchrun,
-                                            log_dir=run_dir / run_files.LOG_DIR / COLD_START_LOG_DIR))
+        cold_start = obtain_cold_start(config_name, overrides, make=not under_torchrun,
+                                       log_dir=run_dir / run_files.LOG_DIR / COLD_START_LOG_DIR)
+        d.init_dir = str(cold_start.directory)
         if writer:
             atomic_files.write_text_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))
+            # the first step's record carries its wall time (RunReporter)
+            atomic_files.write_text_atomic(run_dir / run_files.COLD_START_FILE, cold_start.to_json())
     results = _run_on_engine_ranks(_train_on_rank, world_size(config), config, str(run_dir), resume_dir is not None,
                                    log_dir=run_dir / run_files.LOG_DIR)
     return run_dir, results.get(0)  # under torchrun each rank holds only its own result (records on rank 0)
@@ -201,30 +206,60 @@ COLD_START_LOG_DIR = "cold_start"
 """Under a run's ``logs/``: the ranks' logs of the cold start that run made."""
 
 
-def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: bool = True,
-                       log_dir: Path | None = None) -> Path:
+@dataclasses.dataclass(frozen=True)
+class ColdStart:
+    """A run's cold-start drafter: where it is, where it came from and what making it cost."""
+
+    directory: Path
+    source: str
+    """"made" (by this call), "cache" (made before) or "package" (the tiny default's, installed from the package)."""
+    seconds: float = 0.0
+    """Wall time of the warm-up where this call made it (launching its ranks included); 0 otherwise."""
+    figures: dict | None = None
+    """The warm-up's before/after figures where this call made it (``warmup_drafter.py``)."""
+
+    def to_json(self) -> str:
+        return json.dumps({"source": self.source, "seconds": self.seconds, "drafter_dir": str(self.directory),
+                           "figures": self.figures}, indent=1)
+
+
+def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: bool = True) -> Path:
     """The cold-start drafter of the config's initial policy (``tlt warmup-drafter``), installed from the
     package or made on first use (unless not ``make``) and cached: what ``drafter.cold_start`` and the
-    benchmarks start from. A warm-up it makes says on the console what it does and why before it starts, and
-    logs its ranks to ``log_dir`` (default ``warmup_log_dir`` of the cache entry)."""
+    benchmarks start from."""
+    return obtain_cold_start(config_name, overrides, make=make).directory
+
+
+def obtain_cold_start(config_name: str | None, overrides: list[str], *, make: bool = True,
+                      log_dir: Path | None = None) -> ColdStart:
+    """``cold_start_drafter``, saying where the drafter came from; a warm-up it makes says on the console what it
+    does and why before it starts, and what it took after, and logs its ranks to ``log_dir`` (default
+    ``warmup_log_dir`` of the cache entry)."""
     from megatron_tlt.rl.task_source import task_source
 
     config = load_config(config_name, overrides)
     directory = cold_start_dir(config)
-    if not (directory / "model.safetensors").is_file():
-        if task_source(config).install_shipped(directory):
-            return directory
-        if not make:
-            raise FileNotFoundError(f"drafter.cold_start: no cold-start drafter cached at {directory}; under torchrun "
-                                    "make it first (the same command without torchrun) or set drafter.init_dir")
-        settings = cold_start_settings(config)
-        log_dir = log_dir if log_dir is not None else warmup_log_dir(directory)
-        announce = (f"cold start: no drafter cached for this policy and config, so one is distilled from the initial "
-                    f"policy before RL (its responses to up to {settings.prompts} prompts, then {settings.epochs} "
-                    f"epochs of training); made once, cached in {directory}; logs in {log_dir}")
-        start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), settings=settings,
-                             log_dir=log_dir, announce=announce)
-    return directory
+    if (directory / "model.safetensors").is_file():
+        return ColdStart(directory, "cache")
+    if task_source(config).install_shipped(directory):
+        return ColdStart(directory, "package")
+    if not make:
+        raise FileNotFoundError(f"drafter.cold_start: no cold-start drafter cached at {directory}; under torchrun "
+                                "make it first (the same command without torchrun) or set drafter.init_dir")
+    settings = cold_start_settings(config)
+    log_dir = log_dir if log_dir is not None else warmup_log_dir(directory)
+    announce = (f"cold start: no drafter cached for this policy and config, so one is distilled from the initial "
+                f"policy before RL (its responses to up to {settings.prompts} prompts, then {settings.epochs} epochs "
+                f"of training); made once, cached in {directory}; logs in {log_dir}")
+    started = time.perf_counter()
+    figures = start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), settings=settings,
+                                   log_dir=log_dir, announce=announce)
+    seconds = time.perf_counter() - started
+    print(f"cold start: done in {seconds / 60:.1f} min; held-out top-1 agreement with the policy "
+          f"{figures['held_out_top1_agreement_before']:.3f} -> {figures['held_out_top1_agreement_after']:.3f}, "
+          f"acceptance length at depth {figures['draft_tokens']} {figures['mean_acceptance_length_before']:.2f} -> "
+          f"{figures['mean_acceptance_length_after']:.2f}", flush=True)
+    return ColdStart(directory, "made", seconds, figures)
 
 
 def start_rollout_bench(config_name: str | None, overrides: list[str], *, policy: str | None, drafter: str | None,

@@ -3,6 +3,7 @@
     RUN_DIR/config.yaml        the resolved configuration (``tlt train --resume RUN_DIR`` reads it back)
     RUN_DIR/summary.json       one record per RL step (rewritten atomically after every step)
     RUN_DIR/eval_before_rl.json held-out accuracy of the starting policy
+    RUN_DIR/cold_start.json    where the drafter's cold start came from, and its wall time if this run made it
     RUN_DIR/timeline.jsonl     every rank's BUSY/IDLE spans, one JSON object per span
     RUN_DIR/timeline.trace.json the same spans as a Chrome trace (Perfetto, chrome://tracing), rewritten each step
     RUN_DIR/timeline_last_step.png the last step's spans, a row per rank
@@ -30,6 +31,7 @@ TIMELINE_FILE = "timeline.jsonl"
 TRACE_FILE = "timeline.trace.json"
 TIMELINE_PLOT_FILE = "timeline_last_step.png"
 EVAL_BEFORE_RL_FILE = "eval_before_rl.json"
+COLD_START_FILE = "cold_start.json"
 LOG_DIR = "logs"
 
 
@@ -49,6 +51,17 @@ def prepare_new_run_dir(run_dir: Path, config_yaml: str) -> None:
                           f"`tlt train --resume {run_dir}`, or choose another trainer.run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / CONFIG_FILE, config_yaml)
+
+
+def cold_start_fields(run_dir: Path) -> dict:
+    """What the run's first step record says of the drafter's cold start (``cold_start.json``, written by
+    ``commands/start.py``): ``drafter/cold_start_source`` (made, cache or package) and
+    ``drafter/cold_start_seconds`` (its wall time if this run made it, else 0); nothing without a cold start."""
+    path = run_dir / COLD_START_FILE
+    if not path.is_file():
+        return {}
+    cold_start = json.loads(path.read_text())
+    return {"drafter/cold_start_source": cold_start["source"], "drafter/cold_start_seconds": cold_start["seconds"]}
 
 
 def _json_safe(value):
@@ -79,6 +92,7 @@ class RunReporter:
         self._last_step_spans: list[dict] = []
         self._views_stale = False
         self.loggers = loggers
+        self._first_step_fields = cold_start_fields(run_dir) if start_step == 0 else {}
         self.console = console()  # the terminal, while the rank's own output goes to RUN_DIR/logs
         self.progress = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True,
                              file=self.console)
@@ -89,6 +103,8 @@ class RunReporter:
         the other ranks start the next rollout, which waits for it (the PNG took ~33 ms a step on 2 cores, and
         the trace grows with the run)."""
         step = record["step"]
+        if self._first_step_fields:
+            record, self._first_step_fields = {**record, **self._first_step_fields}, {}
         self.records.append(_json_safe(record))
         write_text_atomic(self.run_dir / SUMMARY_FILE, json.dumps(self.records, indent=1))
         with open(self.run_dir / TIMELINE_FILE, "a") as out:
