@@ -436,6 +436,10 @@ class DrafterConfig:
     length at depth speculative_tokens, at the rollout's temperature (``drafter/quality.py``), beside the
     policy's entropy; in summary.json as drafter/quality/* and on the step's TLT line. Costs one policy forward
     over the slice. 0: off (and no push gate)."""
+    quality_every: int | None = None
+    """Measure the drafters (``quality_rows``) and decide a push every this many steps, from step 1; a candidate
+    trains on meanwhile. Default: every step on GPU, where one forward over the slice is a sliver of a step;
+    every 4th on CPU, where measuring cost 5-8% of a tiny-default step (bench/RESULTS.md)."""
     push_gate: bool = True
     """A drafter trained online replaces the one the engines serve only when it measures at least as well on
     the held-out slice (``quality_rows``); otherwise the serving one stays and training goes on
@@ -453,6 +457,9 @@ class DrafterConfig:
         if self.pack_order not in ("shuffled", "newest") or self.heads_version not in ("features", "newest"):
             raise ConfigError(f"drafter.pack_order must be shuffled or newest and drafter.heads_version features or "
                               f"newest, got '{self.pack_order}', '{self.heads_version}'")
+        if self.quality_every is not None and self.quality_every < 1:
+            raise ConfigError(f"drafter.quality_every must be >= 1 or null (the device's default), got "
+                              f"{self.quality_every}")
         if self.quality_rows < 0:
             raise ConfigError(f"drafter.quality_rows must be >= 0 (0: no held-out measure), got {self.quality_rows}")
         if self.lr <= 0 or (self.spot_lr is not None and self.spot_lr <= 0):

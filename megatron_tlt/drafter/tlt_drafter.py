@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 # bench/spot_overhead.py on 2 CPU cores: +7.8% critical path training all idle time, none measurable at 0.25
 CPU_SPOT_DUTY_CYCLE = 0.25
+# bench/tlt_end_to_end.py on 2 CPU cores (2026-11-29): the held-out measure took 0.3-1.5 s of 9-24 s steps
+CPU_QUALITY_EVERY = 4
 
 
 @dataclasses.dataclass
@@ -78,7 +80,7 @@ class TLTDrafter:
         self.checkpointer, self.spot = None, None
         info = self._load(start_step, rank=rank, world=world, is_reporter=is_reporter)
         self.serving = None
-        if d.speculative_tokens > 0 and d.quality_rows > 0:  # measured each step, pushed through the gate
+        if d.speculative_tokens > 0 and d.quality_rows > 0:  # measured every quality_every steps, pushed through the gate
             settings = MeasureSettings(depth=d.speculative_tokens, temperature=config.rollout.temperature,
                                        greedy_draft=config.speculation.draft_sampling == "greedy",
                                        pack_tokens=d.pack_tokens, gate=d.push_gate)
@@ -153,6 +155,11 @@ class TLTDrafter:
         (``drafter.spot_training_steps``, for benchmarks that compare steps with and without it)."""
         which = self.config.drafter.spot_training_steps
         return self.spot is not None and (which == "all" or (step % 2 == 0) == (which == "even"))
+
+    def measures_in(self, step: int) -> bool:
+        """Whether (1-based) ``step`` measures the drafters on a held-out slice and decides a push: the first step
+        and every ``drafter.quality_every``-th after it (``drafter/serving.py``)."""
+        return self.serving is not None and (step - 1) % _quality_every(self.config.drafter.quality_every) == 0
 
     @property
     def trains_serially(self) -> bool:
@@ -271,6 +278,14 @@ class FrozenDrafter:
 
     def export_tensors(self) -> dict[str, torch.Tensor]:
         return self.tensors
+
+
+def _quality_every(configured: int | None) -> int:
+    """drafter.quality_every, or its default: every step on GPU, where one forward over the slice is a sliver of a
+    step; every CPU_QUALITY_EVERY-th on CPU, where the forward and the measure cost 5-8% of a tiny-default step."""
+    if configured is not None:
+        return configured
+    return 1 if torch.cuda.is_available() else CPU_QUALITY_EVERY
 
 
 def _spot_duty_cycle(configured: float | None) -> float:

@@ -102,6 +102,7 @@ class RLTrainer:
             if self.is_reporter:
                 logger.info("resuming %s from step %d (%s)", run_dir, self.start_step, ckpt)
 
+        self._measuring = False  # whether this step measures the drafters on a held-out slice (set per step)
         self.drafter = TLTDrafter.for_run(config, self.arch, run_dir=run_dir, rank=self.rank, world=self.world,
                                           start_step=self.start_step, is_reporter=self.is_reporter)
         self.engine = self.session.open_engine(
@@ -215,7 +216,9 @@ class RLTrainer:
         return self.config.trainer.updates_per_step == 1
 
     def _wants_features(self, train_drafter: bool) -> bool:
-        return self.config.trainer.capture_hidden_states or train_drafter
+        """Whether the step's passes capture drafter features: to train on, or for the held-out measure (set per step:
+        the slice takes its sequences from the capture where it covers them)."""
+        return self.config.trainer.capture_hidden_states or train_drafter or self._measuring
 
     def _logprob_pass(self, sequences: list[list[int]], timeline: RankTimeline, train_drafter: bool,
                       held_out: HeldOutSlice):
@@ -256,8 +259,7 @@ class RLTrainer:
                         train_drafter: bool, timeline: RankTimeline) -> HeldOutSlice:
         """The step's held-out slice for the drafter's measure (``rl/held_out_slice.py``), with the features of the
         sequences the update's forward will not capture already taken (collective over the model-parallel group)."""
-        rows = self.config.drafter.quality_rows if self.drafter is not None and self.drafter.serving else 0
-        chosen = held_out_slice.choose(samples, rows)
+        chosen = held_out_slice.choose(samples, self.config.drafter.quality_rows) if self._measuring else []
         in_update = set()
         if self._wants_features(train_drafter):  # a later pass captures features: the update's or the log-prob pass's
             # on-policy the update's forward sees only the groups the equal-reward filter keeps (advantage not NaN)
@@ -321,6 +323,7 @@ class RLTrainer:
         step_start = time.time()
         examples = self.dataset.gather(next(self.sampler))
         train_drafter = self.drafter is not None and self.drafter.trains_in(step + 1)
+        self._measuring = self.drafter is not None and self.drafter.measures_in(step + 1)
         serially = train_drafter and self.drafter.trains_serially  # the peers' schedule, not TLT's
         mine, result, tail, streamed = self._rollout(step, examples, timeline, train_drafter and not serially)
         # The acceptance alarm after the last sync and drafter push, read from this rollout's own drafts: free.
@@ -339,7 +342,7 @@ class RLTrainer:
             tail = self.drafter.train_serially(timeline)
         self.engine.resume_memory()
         quality = None
-        if self.drafter is not None:  # before the sync: it pushes the drafter the gate lets through
+        if self._measuring:  # before the sync: it pushes the drafter the gate lets through
             with timeline.phase("sync"):
                 quality = self.drafter.measure_and_gate(held_out.measured)
             if quality is not None:

@@ -422,7 +422,7 @@ def spot_run_result(env, tmp_path_factory):
     result = _train(_with_slow_rank(env), *SMALL, "trainer.steps=4", "trainer.save_every=2",
                     "drafter.spot_training=true", "drafter.speculative_tokens=2", "speculation.adaptive=true",
                     "drafter.pack_tokens=64", "drafter.spot_duty_cycle=1.0", "drafter.probe_prompts=2",
-                    f"trainer.run_dir={run_dir}")
+                    "drafter.quality_every=1", f"trainer.run_dir={run_dir}")
     return run_dir, result
 
 
