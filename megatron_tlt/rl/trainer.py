@@ -16,8 +16,10 @@ Ranks and their work:
   * the sync streams the new weights into every engine (``rl/rank_session.py``).
 Rollout ends at a barrier over all ranks, so each rank's idle time in the long tail is measured
 exactly; every phase is timed per rank (``timeline/spans.py``). TLT's drafter (``drafter/tlt_drafter.py``)
-trains in that idle time, takes the features of the policy's forward (update or log-prob pass) and is pushed into the engine at the
-sync; the step's summary record is made from every rank's report (``rl/run/step_record.py``).
+trains in that idle time, takes the features of the policy's forward (update or log-prob pass) and is pushed into the
+engine at the sync if it measured at least as well as the drafter there on a held-out slice of the rollouts
+(``rl/held_out_slice.py``, ``drafter/serving.py``); the step's summary record is made from every rank's report
+(``rl/run/step_record.py``).
 """
 
 from __future__ import annotations
