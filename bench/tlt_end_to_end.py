@@ -247,9 +247,15 @@ def _serial_tokens(tlt_on: list[dict]) -> int:
     return max(1, round(statistics.fmean(per_rank))) if per_rank else 1
 
 
-def _acceptance(records: list[dict], start: int, end: int) -> float:
-    values = [r["spec/mean_acceptance_length"] for r in records[start:end] if "spec/mean_acceptance_length" in r]
+def _present_mean(records: list[dict], key: str, start: int, end: int) -> float:
+    """``key``'s mean over ``records[start:end]`` that hold it (NaN where none does): the rollout's acceptance is
+    absent from steps that drafted nothing, the held-out measure from steps that did not measure."""
+    values = [r[key] for r in records[start:end] if r.get(key) is not None]
     return statistics.fmean(values) if values else float("nan")
+
+
+def _acceptance(records: list[dict], start: int, end: int) -> float:
+    return _present_mean(records, "spec/mean_acceptance_length", start, end)
 
 
 def _print_arms(runs: dict[str, list[list[dict]]], half: int) -> None:
@@ -298,11 +304,6 @@ def _time_a_cold_start(overrides: list[str]) -> float:
     return seconds
 
 
-def _quality(records: list[dict], key: str, start: int, end: int) -> float:
-    values = [r[key] for r in records[start:end] if r.get(key) is not None]
-    return statistics.fmean(values) if values else float("nan")
-
-
 def _print_quality(runs: dict[str, list[list[dict]]]) -> None:
     """Each speculating arm's serving drafter measured apart from the rollout (``drafter/quality/*``: teacher-forced
     expected acceptance length at the engine's depth on a held-out slice of each step's rollouts), beside the cold
@@ -318,17 +319,17 @@ def _print_quality(runs: dict[str, list[list[dict]]]) -> None:
         end = min(start + chunk, steps)
         cells = []
         for arm in arms:
-            serving = statistics.fmean(_quality(r, "drafter/quality/expected_acceptance_length", start, end)
+            serving = statistics.fmean(_present_mean(r, "drafter/quality/expected_acceptance_length", start, end)
                                        for r in runs[arm])
-            cold = statistics.fmean(_quality(r, "drafter/quality/cold_start_expected_acceptance_length", start, end)
-                                    for r in runs[arm])
+            cold = statistics.fmean(
+                _present_mean(r, "drafter/quality/cold_start_expected_acceptance_length", start, end) for r in runs[arm])
             cells.append(f"{serving:5.2f} ({cold:5.2f})")
         print(f"  {start + 1:3d}-{end:<3d} " + "  ".join(cells))
     last = max(0, steps - 20)
     for online, frozen in (("on", "frozen"), ("on", "cold")):
         if online in arms and frozen in arms:
-            ratios = [_quality(a, "drafter/quality/expected_acceptance_length", last, steps)
-                      / _quality(b, "drafter/quality/expected_acceptance_length", last, steps)
+            ratios = [_present_mean(a, "drafter/quality/expected_acceptance_length", last, steps)
+                      / _present_mean(b, "drafter/quality/expected_acceptance_length", last, steps)
                       for a, b in zip(runs[online], runs[frozen])]
             se = f" (SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f})" if len(ratios) > 1 else ""
             print(f"  held-out acceptance {online} / {frozen}, steps {last + 1}-{steps}: "
@@ -351,7 +352,7 @@ def _print_weak_start(runs: dict[str, list[list[dict]]], cold_start_seconds: flo
     held-out acceptance (its mean over the run)."""
     key = "drafter/quality/expected_acceptance_length"
     for repeat, (online, cold) in enumerate(zip(runs["on"], runs["cold"]), start=1):
-        target = _quality(cold, key, 0, len(cold))
+        target = _present_mean(cold, key, 0, len(cold))
         reached = next((r["step"] for r in online if r.get(key) is not None and r[key] >= target), None)
         tlt_time = sum(r["step_seconds"] for r in online)
         cold_time = sum(r["step_seconds"] for r in cold) + cold_start_seconds

