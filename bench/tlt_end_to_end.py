@@ -12,13 +12,16 @@ beside them the peers' ways of keeping a drafter, with the same speculation:
     python bench/tlt_end_to_end.py --no-frozen --variant goodput speculation.policy=goodput   # another TLT-on arm
     python bench/tlt_end_to_end.py --no-serial                       # 5a: online vs frozen from the cold start
     python bench/tlt_end_to_end.py --no-serial --start random        # 5b: a weak start, and the cold start frozen
+    python bench/tlt_end_to_end.py --no-serial --start small --start-prompts 256 --start-epochs 2   # 5b: a cheap one
     python bench/tlt_end_to_end.py --no-serial --drift-lr 1e-3       # 5c: a policy that moves far
     python bench/tlt_end_to_end.py --no-off --no-serial ...          # the drafters only (ratios against 'on')
 
 Weak start (``--start random``): TLT on and the frozen arm start from a randomly initialised drafter (the
 seeded initialisation a run without a cold start has), and one more arm, ``cold``, runs the in-domain cold start
 kept frozen; its time counts the cold start's own wall time (``--cold-start-seconds``, else measured here by
-making one afresh: the separate distillation stage TLT claims to replace). Drift (``--drift-lr``): every arm
+making one afresh: the separate distillation stage TLT claims to replace). ``--start small`` starts them from a
+cold start on a small budget instead (``--start-prompts`` responses, ``--start-epochs`` epochs), made here and
+timed: its time counts in every arm that starts from it. Drift (``--drift-lr``): every arm
 trains the policy at this learning rate, so that it moves far from where the drafter was cold-started; each
 arm's held-out measure (``drafter/quality/*``: the serving drafter and the cold start, on the same step's
 policy) is the staleness curve.
@@ -106,9 +109,13 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep the runs' directories under this one (off-1/, on-1/, frozen-1/, ...) instead of a "
                              "temporary one")
-    parser.add_argument("--start", choices=("cold", "random"), default="cold",
-                        help="the drafter TLT on and the frozen arm start from: the in-domain cold start (default) or "
-                             "a random initialisation (a weak start; adds the arm 'cold', the cold start frozen)")
+    parser.add_argument("--start", choices=("cold", "random", "small"), default="cold",
+                        help="the drafter TLT on and the frozen arm start from: the in-domain cold start (default), "
+                             "a random initialisation or a cold start on a small budget (weak starts; each adds the "
+                             "arm 'cold', the cold start frozen)")
+    parser.add_argument("--start-prompts", type=int, default=256,
+                        help="with --start small: the small cold start's training prompts (one response each)")
+    parser.add_argument("--start-epochs", type=int, default=2, help="with --start small: its epochs")
     parser.add_argument("--cold-start-seconds", type=float, default=None,
                         help="with --start random: the cold start's wall time, counted in the 'cold' arm's time "
                              "(default: measured by making one afresh, once)")
@@ -141,14 +148,21 @@ def main() -> None:
     tlt_off = ["drafter.speculative_tokens=0", "drafter.spot_training=false"]
     speculating = [f"drafter.speculative_tokens={args.depth}", "speculation.adaptive=true"]
     in_domain = [f"drafter.init_dir={args.drafter}"]
-    start = in_domain if args.start == "cold" else ["drafter.init_dir=null", "drafter.cold_start=false"]
+    start_seconds = 0.0  # what the weak start took to make, counted in the time of every arm that starts from it
+    if args.start == "cold":
+        start = in_domain
+    elif args.start == "random":
+        start = ["drafter.init_dir=null", "drafter.cold_start=false"]
+    else:
+        small_dir, start_seconds = _make_a_small_cold_start(args)
+        start = [f"drafter.init_dir={small_dir}"]
     tlt_on = speculating + ["drafter.spot_training=true"] + start
     arms = {"off": common + tlt_off} if args.off else {}
     arms["on"] = common + tlt_on
     if args.frozen:
         arms["frozen"] = common + tlt_on + ["drafter.spot_training=false"]
     cold_start_seconds = 0.0
-    if args.start == "random":  # the in-domain cold start, frozen: what TLT from a weak start must beat
+    if args.start != "cold":  # the in-domain cold start, frozen: what TLT from a weak start must beat
         arms["cold"] = common + speculating + ["drafter.spot_training=false"] + in_domain
         cold_start_seconds = args.cold_start_seconds
         if cold_start_seconds is None:
@@ -178,7 +192,7 @@ def main() -> None:
     _print_arms(runs, half)
     _print_quality(runs)
     if "cold" in runs:
-        _print_weak_start(runs, cold_start_seconds)
+        _print_weak_start(runs, cold_start_seconds, start_seconds, args.start)
     if "off" in runs:
         total = _seconds(runs, "off", "step_seconds") / _seconds(runs, "on", "step_seconds")
         print(f"end-to-end step time, TLT off / on over steps 2-{args.steps}: {total:.3f}x")
@@ -304,6 +318,25 @@ def _time_a_cold_start(overrides: list[str]) -> float:
     return seconds
 
 
+def _make_a_small_cold_start(args) -> tuple[str, float]:
+    """A cold start on a small budget (a weak start), made and timed under the bench's directory."""
+    import dataclasses
+    import time
+
+    from megatron_tlt.commands.start import cold_start_settings, load_config, start_drafter_warmup
+
+    settings = dataclasses.replace(cold_start_settings(load_config(CONFIG, args.overrides)),
+                                   prompts=args.start_prompts, epochs=args.start_epochs)
+    root = args.keep or Path(tempfile.mkdtemp())
+    out_dir = Path(root) / f"small-start-{args.start_prompts}x{args.start_epochs}"
+    started = time.perf_counter()
+    start_drafter_warmup(CONFIG, args.overrides, policy=None, out_dir=str(out_dir), settings=settings)
+    seconds = time.perf_counter() - started
+    print(f"  the small cold start ({args.start_prompts} prompts, {args.start_epochs} epochs) took {seconds:.1f} s",
+          flush=True)
+    return str(out_dir), seconds
+
+
 def _print_quality(runs: dict[str, list[list[dict]]]) -> None:
     """Each speculating arm's serving drafter measured apart from the rollout (``drafter/quality/*``: teacher-forced
     expected acceptance length at the engine's depth on a held-out slice of each step's rollouts), beside the cold
@@ -346,20 +379,26 @@ def _print_quality(runs: dict[str, list[list[dict]]]) -> None:
         print("  TLT on's push gate, per repeat (pushed, declined): " + ", ".join(f"{p}/{d}" for p, d in pushes))
 
 
-def _print_weak_start(runs: dict[str, list[list[dict]]], cold_start_seconds: float) -> None:
-    """TLT from a weak start against the in-domain cold start frozen, the cold start's own time counted: the time
-    from nothing to the last step, and the step at which the online drafter first reaches the frozen cold start's
-    held-out acceptance (its mean over the run)."""
+def _print_weak_start(runs: dict[str, list[list[dict]]], cold_start_seconds: float, start_seconds: float,
+                      start: str) -> None:
+    """Each online arm from the weak start against the in-domain cold start frozen, each start's own time counted:
+    the time from nothing to the last step, and the step at which the online drafter first reaches the frozen cold
+    start's held-out acceptance (its mean over the run)."""
     key = "drafter/quality/expected_acceptance_length"
-    for repeat, (online, cold) in enumerate(zip(runs["on"], runs["cold"]), start=1):
-        target = _present_mean(cold, key, 0, len(cold))
-        reached = next((r["step"] for r in online if r.get(key) is not None and r[key] >= target), None)
-        tlt_time = sum(r["step_seconds"] for r in online)
-        cold_time = sum(r["step_seconds"] for r in cold) + cold_start_seconds
-        print(f"  repeat {repeat}: from a random drafter TLT reached the cold start's held-out acceptance "
-              f"({target:.2f}) at step {reached if reached is not None else 'never'}; time to step {len(online)}: "
-              f"TLT {tlt_time:.0f} s, cold start + frozen {cold_time:.0f} s ({cold_start_seconds:.0f} s of it the "
-              f"cold start): {cold_time / tlt_time:.3f}x")
+    online_arms = [arm for arm in runs if arm not in ("off", "frozen", "cold")
+                   and any(r.get("drafter/tokens_trained") for r in runs[arm][0])]
+    for arm in online_arms:
+        for repeat, (online, cold) in enumerate(zip(runs[arm], runs["cold"]), start=1):
+            target = _present_mean(cold, key, 0, len(cold))
+            reached = next((r["step"] for r in online if r.get(key) is not None and r[key] >= target), None)
+            tlt_time = sum(r["step_seconds"] for r in online) + start_seconds
+            cold_time = sum(r["step_seconds"] for r in cold) + cold_start_seconds
+            print(f"  {arm}, repeat {repeat}: from the {start} start ({online[0].get(key, float('nan')):.2f} at step 1) "
+                  f"it reached the cold start's held-out acceptance ({target:.2f}) at step "
+                  f"{reached if reached is not None else 'never'} (last {online[-1].get(key, float('nan')):.2f}); time "
+                  f"to step {len(online)}: {tlt_time:.0f} s ({start_seconds:.0f} s of it making the start), cold "
+                  f"start + frozen {cold_time:.0f} s ({cold_start_seconds:.0f} s of it the cold start): "
+                  f"{cold_time / tlt_time:.3f}x")
 
 
 def _print_variant(runs: dict[str, list[list[dict]]], name: str) -> None:
