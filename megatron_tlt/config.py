@@ -384,6 +384,10 @@ class DrafterConfig:
     features, so heads and features agree; see pack_order for what it measured)."""
     hidden_weight: float = 1.0
     ce_weight: float = 0.1
+    tv_weight: float = 0.0
+    """Weight of the total-variation distance between the policy's and the drafter's next-token distributions in
+    the drafter's loss (``drafter/loss.py``): 1 - tv is the acceptance of a sampled draft at temperature 1, so
+    this term trains for acceptance itself. 0: EAGLE's loss only."""
     unroll_steps: int = 1
     """Draft steps each training row is unrolled over (training-time test, as EAGLE-3 and HASS train; the
     loss is their mean): at step k the drafter reads its own step k-1 prediction where step 1 reads the
@@ -464,6 +468,9 @@ class DrafterConfig:
                               f"{self.quality_every}")
         if self.quality_rows < 0:
             raise ConfigError(f"drafter.quality_rows must be >= 0 (0: no held-out measure), got {self.quality_rows}")
+        if min(self.hidden_weight, self.ce_weight, self.tv_weight) < 0:
+            raise ConfigError(f"drafter.hidden_weight, ce_weight and tv_weight must be >= 0, got {self.hidden_weight}, "
+                              f"{self.ce_weight}, {self.tv_weight}")
         if self.lr <= 0 or (self.spot_lr is not None and self.spot_lr <= 0):
             raise ConfigError(f"drafter.lr and drafter.spot_lr must be > 0, got {self.lr}, {self.spot_lr}")
         if self.spot_cost_bound is not None and not 0.0 < self.spot_cost_bound < 1.0:

@@ -194,6 +194,8 @@ def cold_start_dir(config) -> Path:
     drafter = {name: getattr(config.drafter, name) for name in COLD_START_DRAFTER_FIELDS}
     if config.drafter.unroll_steps > 1:  # keys made before unrolling existed stay valid
         drafter["unroll_steps"] = config.drafter.unroll_steps
+    if config.drafter.tv_weight:  # as unroll_steps: keys made before the tv term existed stay valid
+        drafter["tv_weight"] = config.drafter.tv_weight
     sampling = dict(temperature=config.rollout.temperature, max_response_tokens=config.rollout.max_response_tokens)
     data = {k: v for k, v in dataclasses.asdict(config.data).items() if k not in REWARD_SCORING_DATA_FIELDS}
     key = cache_key(warmup=warmup_recipe(config), model=dataclasses.asdict(config.model), data=data,

@@ -5,10 +5,15 @@ For a packed example at position t the drafter read (embed(x_{t+1}), f_t) and pr
 
     hidden term = mean over hidden dims of SmoothL1(pred, f_{t+1})                  (beta = 1)
     ce term     = - sum_v softmax(lm_head(f_{t+1}))_v * log_softmax(lm_head(pred))_v
+    tv term     = 1/2 sum_v |softmax(lm_head(f_{t+1}))_v - softmax(lm_head(pred))_v|
     loss        = hidden_weight * mean_rows(hidden term) + ce_weight * mean_rows(ce term)
+                  + tv_weight * mean_rows(tv term)
 
 softmax(lm_head(f_{t+1})) is the policy's distribution of x_{t+2}, exactly what the drafter's logits are
-compared with at verification time. Defaults 1.0 and 0.1 as in EAGLE and TLT (DESIGN.md section 4).
+compared with at verification time. Defaults 1.0 and 0.1 as in EAGLE and TLT (DESIGN.md section 4). The tv
+term is the total-variation distance between the two: a draft sampled from the drafter is accepted with
+probability 1 - tv at temperature 1, so it is the loss closest to acceptance (off by default, tv_weight 0; always
+reported as a metric).
 The LM head is the policy's, frozen here: no gradient ever reaches it. Logits are [rows, vocab] in float32;
 for a large vocabulary the caller bounds the rows per call.
 
@@ -27,7 +32,8 @@ DEFAULT_CE_WEIGHT = 0.1
 
 def drafter_loss(pred_th: Tensor, target_features_th: Tensor, lm_head_weight_vh: Tensor, *,
                  hidden_weight: float = DEFAULT_HIDDEN_WEIGHT,
-                 ce_weight: float = DEFAULT_CE_WEIGHT) -> tuple[Tensor, dict[str, Tensor]]:
+                 ce_weight: float = DEFAULT_CE_WEIGHT,
+                 tv_weight: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss (scalar, with grad through ``pred_th`` only) and detached metrics.
 
     Args:
@@ -35,8 +41,9 @@ def drafter_loss(pred_th: Tensor, target_features_th: Tensor, lm_head_weight_vh:
         target_features_th: the policy's post-final-norm hidden state f_{t+1} for each row.
         lm_head_weight_vh: the policy's output projection [vocab, hidden] (current weights).
     Returns:
-        ``(loss, metrics)``; metrics: ``hidden_loss``, ``ce_loss``, and ``top1_agreement`` (share of rows
-        where the drafter's argmax token equals the policy's: the greedy acceptance proxy).
+        ``(loss, metrics)``; metrics: ``hidden_loss``, ``ce_loss``, ``tv_distance`` (1 - the sampled draft's
+        acceptance at temperature 1) and ``top1_agreement`` (share of rows where the drafter's argmax token equals
+        the policy's: the greedy acceptance proxy).
     """
     if pred_th.dim() != 2 or pred_th.shape != target_features_th.shape:
         raise ValueError(f"pred_th {tuple(pred_th.shape)} and target_features_th "
@@ -51,10 +58,15 @@ def drafter_loss(pred_th: Tensor, target_features_th: Tensor, lm_head_weight_vh:
         target_logits_tv = (target @ lm_head.T).float()
         target_probs_tv = torch.softmax(target_logits_tv, dim=-1)
     pred_logits_tv = (pred_th @ lm_head.T).float()
-    ce_loss = -(target_probs_tv * torch.log_softmax(pred_logits_tv, dim=-1)).sum(-1).mean()
+    pred_log_probs_tv = torch.log_softmax(pred_logits_tv, dim=-1)
+    ce_loss = -(target_probs_tv * pred_log_probs_tv).sum(-1).mean()
+    tv_distance = 0.5 * (target_probs_tv - pred_log_probs_tv.exp()).abs().sum(-1).mean()
     loss = hidden_weight * hidden_loss + ce_weight * ce_loss
+    if tv_weight:
+        loss = loss + tv_weight * tv_distance
 
     with torch.no_grad():
         agreement = (pred_logits_tv.argmax(-1) == target_logits_tv.argmax(-1)).float().mean()
-    metrics = {"hidden_loss": hidden_loss.detach(), "ce_loss": ce_loss.detach(), "top1_agreement": agreement}
+    metrics = {"hidden_loss": hidden_loss.detach(), "ce_loss": ce_loss.detach(), "tv_distance": tv_distance.detach(),
+               "top1_agreement": agreement}
     return loss, metrics

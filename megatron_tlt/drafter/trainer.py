@@ -208,7 +208,7 @@ class DrafterTrainer:
                 break
             loss, metrics = drafter_loss(pred_th[:pack.num_tokens][keep_t], pack.target_features_th[keep_t],
                                          lm_head_vh, hidden_weight=self.settings.hidden_weight,
-                                         ce_weight=self.settings.ce_weight)
+                                         ce_weight=self.settings.ce_weight, tv_weight=self.settings.tv_weight)
             losses.append(loss)
             first_metrics = first_metrics or metrics
         return torch.stack(losses).mean(), first_metrics

@@ -62,6 +62,24 @@ def test_default_weights_are_one_for_hidden_states_and_a_tenth_for_cross_entropy
     assert loss.item() == pytest.approx(metrics["hidden_loss"].item() + 0.1 * metrics["ce_loss"].item())
 
 
+def test_the_tv_term_is_one_minus_a_sampled_drafts_acceptance_and_weighs_in_only_when_asked():
+    pred = torch.tensor([[1.0, 0.0], [0.0, 2.0]], requires_grad=True)
+    target = torch.tensor([[0.0, 3.0], [0.0, 1.0]])
+    lm_head = torch.eye(2)
+
+    def acceptance(target_logits, pred_logits):  # a draft drawn from q is kept with probability sum_v min(p, q)
+        p, q = torch.softmax(torch.tensor(target_logits), 0), torch.softmax(torch.tensor(pred_logits), 0)
+        return float(torch.minimum(p, q).sum())
+
+    tv = 1 - (acceptance([0.0, 3.0], [1.0, 0.0]) + acceptance([0.0, 1.0], [0.0, 2.0])) / 2
+    plain, metrics = drafter_loss(pred, target, lm_head)
+    assert metrics["tv_distance"].item() == pytest.approx(tv)
+    weighted, _ = drafter_loss(pred, target, lm_head, tv_weight=2.0)
+    assert weighted.item() == pytest.approx(plain.item() + 2.0 * tv)
+    (grad_tv,) = torch.autograd.grad(weighted - plain, pred)
+    assert grad_tv.abs().sum() > 0  # the tv term trains the drafter
+
+
 def test_eagle_pairing_makes_the_vllm_accepted_drafter_agree_everywhere_and_the_shifted_one_does_not():
     """The drafter vLLM accepts at every greedy step must score perfectly under our pairing.
 
