@@ -311,11 +311,16 @@ def _time_a_cold_start(overrides: list[str]) -> float:
     config = load_config(CONFIG, overrides)
     with tempfile.TemporaryDirectory() as directory:
         started = time.perf_counter()
-        start_drafter_warmup(CONFIG, overrides, policy=None, out_dir=str(Path(directory) / "drafter"),
-                             settings=cold_start_settings(config))
+        figures = start_drafter_warmup(CONFIG, overrides, policy=None, out_dir=str(Path(directory) / "drafter"),
+                                       settings=cold_start_settings(config))
         seconds = time.perf_counter() - started
-    print(f"  the cold start took {seconds:.1f} s (made afresh)", flush=True)
+    print(f"  the cold start took {seconds:.1f} s (made afresh); {_warmup_figures(figures)}", flush=True)
     return seconds
+
+
+def _warmup_figures(figures: dict) -> str:
+    return (f"held-out top-1 agreement {figures['held_out_top1_agreement_after']:.3f}, acceptance length "
+            f"{figures['mean_acceptance_length_after']:.2f} at its measuring depth")
 
 
 def _make_a_small_cold_start(args) -> tuple[str, float]:
@@ -330,10 +335,10 @@ def _make_a_small_cold_start(args) -> tuple[str, float]:
     root = args.keep or Path(tempfile.mkdtemp())
     out_dir = Path(root) / f"small-start-{args.start_prompts}x{args.start_epochs}"
     started = time.perf_counter()
-    start_drafter_warmup(CONFIG, args.overrides, policy=None, out_dir=str(out_dir), settings=settings)
+    figures = start_drafter_warmup(CONFIG, args.overrides, policy=None, out_dir=str(out_dir), settings=settings)
     seconds = time.perf_counter() - started
-    print(f"  the small cold start ({args.start_prompts} prompts, {args.start_epochs} epochs) took {seconds:.1f} s",
-          flush=True)
+    print(f"  the small cold start ({args.start_prompts} prompts, {args.start_epochs} epochs) took {seconds:.1f} s; "
+          f"{_warmup_figures(figures)}", flush=True)
     return str(out_dir), seconds
 
 
