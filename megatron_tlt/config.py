@@ -372,16 +372,17 @@ class DrafterConfig:
     rows is split into chunks that cannot attend to the earlier ones, so keep it above the longest prompt +
     response: at 256 the tiny default's drafter accepted half as many tokens in the rollout's long tail
     (bench/RESULTS.md)."""
-    pack_order: str = "newest"
-    """Which buffered sequences a step's micro-steps train on first: ``newest`` (the newest first: a short tail
-    trains on little more than the last step's few groups) or ``shuffled`` (a fresh random order over the whole
-    buffer each step, different on each rank). With heads_version, measured on held-out rollouts (bench/RESULTS.md,
-    2026-11-29): newest + newest 1.008x the frozen cold start, shuffled + features 1.006x, within noise: the
-    default stays as it was."""
-    heads_version: str = "newest"
-    """The policy embedding and LM head the drafter trains with: ``newest`` (the policy after the last update, one
-    version ahead of every feature in the buffer) or ``features`` (those of the policy that made the newest
-    features, so heads and features agree; see pack_order for what it measured)."""
+    pack_order: str = "shuffled"
+    """Which buffered sequences a step's micro-steps train on first: ``shuffled`` (a fresh random order over the
+    whole buffer each step, different on each rank) or ``newest`` (the newest first, the packs made so far cycled
+    again: a long idle tail trains the last step's few groups over and over). Measured on held-out rollouts
+    (bench/RESULTS.md, 2026-11-29), with heads_version: from the in-domain cold start, where the spot trainer trains
+    little, newest 1.008x the frozen cold start against shuffled 1.006x (noise); from a weak start trained hard
+    (spot_lr 3e-3, duty 1.0), shuffled 1.408x over its start against newest 1.289x."""
+    heads_version: str = "features"
+    """The policy embedding and LM head the drafter trains with: ``features`` (those of the policy that made the
+    newest features, so heads and features agree, as in the serial schedule) or ``newest`` (the policy after the
+    last update, one version ahead of every feature in the buffer); see pack_order for what it measured."""
     hidden_weight: float = 1.0
     ce_weight: float = 0.1
     tv_weight: float = 0.0

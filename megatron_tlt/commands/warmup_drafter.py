@@ -15,6 +15,8 @@ generation, advanced as its engine finishes prompts, and one for the training's 
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import shutil
 import tempfile
@@ -80,7 +82,9 @@ class _Session:
         self.mp_group = mcore.model_parallel_group()
         self.mp_size = dist.get_world_size(self.mp_group)
         self.dp_rank, self.dp_size = mcore.data_parallel_rank(), mcore.data_parallel_size()
-        d = config.drafter
+        # The cold start's recipe, cached and shipped under keys that do not name the online pack order: it keeps the
+        # order it was made with (its buffer is one step's responses; the online default shuffles across steps)
+        d = dataclasses.replace(config.drafter, pack_order="newest", heads_version="newest")
         # the warm-up keeps every feature it makes: its buffer holds them all
         self.trainer = DrafterTrainer(self.task.arch, d, seed=config.trainer.seed,
                                       precision=resolve_precision(d.precision), buffer_tokens=1 << 62)
