@@ -12,8 +12,8 @@ For a packed example at position t the drafter read (embed(x_{t+1}), f_t) and pr
 softmax(lm_head(f_{t+1})) is the policy's distribution of x_{t+2}, exactly what the drafter's logits are
 compared with at verification time. Defaults 1.0 and 0.1 as in EAGLE and TLT (DESIGN.md section 4). The tv
 term is the total-variation distance between the two: a draft sampled from the drafter is accepted with
-probability 1 - tv at temperature 1, so it is the loss closest to acceptance (off by default, tv_weight 0; always
-reported as a metric).
+probability 1 - tv at temperature 1, so it is the loss closest to acceptance (off by default, tv_weight 0: then it
+is not computed, sparing the micro-step a pass over [rows, vocab]).
 The LM head is the policy's, frozen here: no gradient ever reaches it. Logits are [rows, vocab] in float32;
 for a large vocabulary the caller bounds the rows per call.
 
@@ -41,9 +41,9 @@ def drafter_loss(pred_th: Tensor, target_features_th: Tensor, lm_head_weight_vh:
         target_features_th: the policy's post-final-norm hidden state f_{t+1} for each row.
         lm_head_weight_vh: the policy's output projection [vocab, hidden] (current weights).
     Returns:
-        ``(loss, metrics)``; metrics: ``hidden_loss``, ``ce_loss``, ``tv_distance`` (1 - the sampled draft's
-        acceptance at temperature 1) and ``top1_agreement`` (share of rows where the drafter's argmax token equals
-        the policy's: the greedy acceptance proxy).
+        ``(loss, metrics)``; metrics: ``hidden_loss``, ``ce_loss``, ``top1_agreement`` (share of rows where the
+        drafter's argmax token equals the policy's: the greedy acceptance proxy) and, with ``tv_weight`` set,
+        ``tv_distance`` (1 - the sampled draft's acceptance at temperature 1).
     """
     if pred_th.dim() != 2 or pred_th.shape != target_features_th.shape:
         raise ValueError(f"pred_th {tuple(pred_th.shape)} and target_features_th "
@@ -60,13 +60,14 @@ def drafter_loss(pred_th: Tensor, target_features_th: Tensor, lm_head_weight_vh:
     pred_logits_tv = (pred_th @ lm_head.T).float()
     pred_log_probs_tv = torch.log_softmax(pred_logits_tv, dim=-1)
     ce_loss = -(target_probs_tv * pred_log_probs_tv).sum(-1).mean()
-    tv_distance = 0.5 * (target_probs_tv - pred_log_probs_tv.exp()).abs().sum(-1).mean()
     loss = hidden_weight * hidden_loss + ce_weight * ce_loss
+    metrics = {"hidden_loss": hidden_loss.detach(), "ce_loss": ce_loss.detach()}
     if tv_weight:
+        tv_distance = 0.5 * (target_probs_tv - pred_log_probs_tv.exp()).abs().sum(-1).mean()
         loss = loss + tv_weight * tv_distance
+        metrics["tv_distance"] = tv_distance.detach()
 
     with torch.no_grad():
         agreement = (pred_logits_tv.argmax(-1) == target_logits_tv.argmax(-1)).float().mean()
-    metrics = {"hidden_loss": hidden_loss.detach(), "ce_loss": ce_loss.detach(), "tv_distance": tv_distance.detach(),
-               "top1_agreement": agreement}
+    metrics["top1_agreement"] = agreement
     return loss, metrics

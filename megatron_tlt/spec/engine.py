@@ -138,7 +138,7 @@ def _drafter_own_layers(drafter: torch.nn.Module, policy: torch.nn.Module) -> li
     """The drafter's layers that hold tensors of their own: every layer with a parameter or buffer, less those it
     shares with the policy. vLLM's EAGLE points the drafter's embedding and LM head at the policy's, and its rotary
     cache is the policy's too; no push carries them. Reloading the whole drafter had vLLM put each back with a
-    "Failed to load weights" warning, three per push (89 in one rank's log of a 20-step run)."""
+    "Failed to load weights" warning, three per push (87 in one rank's log of a 20-step run)."""
     policy_layers = {id(layer) for layer in policy.modules()}
     return [layer for layer in drafter.modules()
             if id(layer) not in policy_layers and _holds_tensors(layer)]

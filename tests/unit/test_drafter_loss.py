@@ -72,9 +72,10 @@ def test_the_tv_term_is_one_minus_a_sampled_drafts_acceptance_and_weighs_in_only
         return float(torch.minimum(p, q).sum())
 
     tv = 1 - (acceptance([0.0, 3.0], [1.0, 0.0]) + acceptance([0.0, 1.0], [0.0, 2.0])) / 2
-    plain, metrics = drafter_loss(pred, target, lm_head)
+    plain, plain_metrics = drafter_loss(pred, target, lm_head)
+    assert "tv_distance" not in plain_metrics  # not computed unless it weighs in
+    weighted, metrics = drafter_loss(pred, target, lm_head, tv_weight=2.0)
     assert metrics["tv_distance"].item() == pytest.approx(tv)
-    weighted, _ = drafter_loss(pred, target, lm_head, tv_weight=2.0)
     assert weighted.item() == pytest.approx(plain.item() + 2.0 * tv)
     (grad_tv,) = torch.autograd.grad(weighted - plain, pred)
     assert grad_tv.abs().sum() > 0  # the tv term trains the drafter
