@@ -304,41 +304,33 @@ def _print_arms(runs: dict[str, list[list[dict]]], half: int) -> None:
 
 def _time_a_cold_start(overrides: list[str]) -> float:
     """Wall seconds of making the config's cold-start drafter afresh (in a temporary directory, not the cache)."""
-    import time
-
-    from megatron_tlt.commands.start import cold_start_settings, load_config, start_drafter_warmup
-
-    config = load_config(CONFIG, overrides)
     with tempfile.TemporaryDirectory() as directory:
-        started = time.perf_counter()
-        figures = start_drafter_warmup(CONFIG, overrides, policy=None, out_dir=str(Path(directory) / "drafter"),
-                                       settings=cold_start_settings(config))
-        seconds = time.perf_counter() - started
-    print(f"  the cold start took {seconds:.1f} s (made afresh); {_warmup_figures(figures)}", flush=True)
+        _, seconds = _make_a_cold_start(overrides, Path(directory) / "drafter", "the cold start (made afresh)")
     return seconds
-
-
-def _warmup_figures(figures: dict) -> str:
-    return (f"held-out top-1 agreement {figures['held_out_top1_agreement_after']:.3f}, acceptance length "
-            f"{figures['mean_acceptance_length_after']:.2f} at its measuring depth")
 
 
 def _make_a_small_cold_start(args) -> tuple[str, float]:
     """A cold start on a small budget (a weak start), made and timed under the bench's directory."""
+    out_dir = Path(args.keep or tempfile.mkdtemp()) / f"small-start-{args.start_prompts}x{args.start_epochs}"
+    return _make_a_cold_start(args.overrides, out_dir,
+                              f"the small cold start ({args.start_prompts} prompts, {args.start_epochs} epochs)",
+                              prompts=args.start_prompts, epochs=args.start_epochs)
+
+
+def _make_a_cold_start(overrides: list[str], out_dir: Path, label: str, **budget) -> tuple[str, float]:
+    """Make the config's cold start (its budget replaced by ``budget``) into ``out_dir``; print and return its wall
+    seconds beside what it reached."""
     import dataclasses
     import time
 
     from megatron_tlt.commands.start import cold_start_settings, load_config, start_drafter_warmup
 
-    settings = dataclasses.replace(cold_start_settings(load_config(CONFIG, args.overrides)),
-                                   prompts=args.start_prompts, epochs=args.start_epochs)
-    root = args.keep or Path(tempfile.mkdtemp())
-    out_dir = Path(root) / f"small-start-{args.start_prompts}x{args.start_epochs}"
+    settings = dataclasses.replace(cold_start_settings(load_config(CONFIG, overrides)), **budget)
     started = time.perf_counter()
-    figures = start_drafter_warmup(CONFIG, args.overrides, policy=None, out_dir=str(out_dir), settings=settings)
+    figures = start_drafter_warmup(CONFIG, overrides, policy=None, out_dir=str(out_dir), settings=settings)
     seconds = time.perf_counter() - started
-    print(f"  the small cold start ({args.start_prompts} prompts, {args.start_epochs} epochs) took {seconds:.1f} s; "
-          f"{_warmup_figures(figures)}", flush=True)
+    print(f"  {label} took {seconds:.1f} s; held-out top-1 agreement {figures['held_out_top1_agreement_after']:.3f}, "
+          f"acceptance length {figures['mean_acceptance_length_after']:.2f} at its measuring depth", flush=True)
     return str(out_dir), seconds
 
 
