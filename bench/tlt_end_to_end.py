@@ -14,6 +14,7 @@ beside them the peers' ways of keeping a drafter, with the same speculation:
     python bench/tlt_end_to_end.py --no-serial --start random        # 5b: a weak start, and the cold start frozen
     python bench/tlt_end_to_end.py --no-serial --start small --start-prompts 256 --start-epochs 2   # 5b: a cheap one
     python bench/tlt_end_to_end.py --no-serial --drift-lr 1e-3       # 5c: a policy that moves far
+    python bench/tlt_end_to_end.py --no-off --no-serial --steps 30 --curriculum 10:15   # 5c: a curriculum's switch
     python bench/tlt_end_to_end.py --no-off --no-serial ...          # the drafters only (ratios against 'on')
 
 Weak start (``--start random``): TLT on and the frozen arm start from a randomly initialised drafter (the
@@ -24,7 +25,11 @@ cold start on a small budget instead (``--start-prompts`` responses, ``--start-e
 timed: its time counts in every arm that starts from it. Drift (``--drift-lr``): every arm
 trains the policy at this learning rate, so that it moves far from where the drafter was cold-started; each
 arm's held-out measure (``drafter/quality/*``: the serving drafter and the cold start, on the same step's
-policy) is the staleness curve.
+policy) is the staleness curve. Curriculum (``--curriculum STEPS:TOKENS``): every arm draws only the prompts of at
+most TOKENS tokens for its first STEPS steps, then every prompt (``data.curriculum_steps``,
+``data.curriculum_max_prompt_tokens``), and the cold start is made on those first prompts, as a run with that
+curriculum makes it: the drafter has seen only the short responses the run starts with, and the policy then writes
+long ones.
 
 Both runs use the same seeds and the same number of steps; each repeat draws other samples
 (``rollout.sampling_seed``), the same for every arm where a seed fixes them. TLT on starts its drafter from the
@@ -121,6 +126,9 @@ def main() -> None:
                              "(default: measured by making one afresh, once)")
     parser.add_argument("--drift-lr", type=float, default=None,
                         help="the policy's learning rate in every arm (optimizer.lr): a policy that moves far")
+    parser.add_argument("--curriculum", default=None, metavar="STEPS:TOKENS",
+                        help="an easy-first curriculum in every arm and the cold start: the first STEPS steps draw "
+                             "only prompts of at most TOKENS tokens (e.g. 10:15, up to 3 operations on the tiny task)")
     parser.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                         help="one more TLT-on arm: a name, then its overrides on top of TLT on's, e.g. --variant "
                              "goodput speculation.policy=goodput (repeatable; put the shared overrides after --)")
@@ -133,6 +141,11 @@ def main() -> None:
         parser.error("--variant names must be distinct and none of off, on, frozen, serial, cold")
     if args.drift_lr is not None:
         args.overrides = [*args.overrides, f"optimizer.lr={args.drift_lr}"]
+    if args.curriculum is not None:
+        steps, _, tokens = args.curriculum.partition(":")
+        if not (steps.isdigit() and tokens.isdigit() and 0 < int(steps) < args.steps and int(tokens) > 0):
+            parser.error(f"--curriculum must be STEPS:TOKENS with 0 < STEPS < --steps, got '{args.curriculum}'")
+        args.overrides = [*args.overrides, f"data.curriculum_steps={steps}", f"data.curriculum_max_prompt_tokens={tokens}"]
     if args.depth is None:  # the default's own depth, so that the bench measures what `tlt train` runs
         from megatron_tlt.config import load_config
 

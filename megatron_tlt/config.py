@@ -174,6 +174,13 @@ class DataConfig:
     restate (each line restates the remaining expression, ``=56-8-5``: quadratic length, mostly copied text)."""
     held_out_prompts: int = 256
     """Built-in task only: held-out problems whose greedy accuracy is measured (0 disables)."""
+    curriculum_steps: int = 0
+    """An easy-first curriculum (``rl/inputs/curriculum.py``): the first this many RL steps draw only the prompts
+    of at most ``curriculum_max_prompt_tokens`` tokens, the steps after draw from every prompt; 0: no curriculum.
+    The cold-start drafter is then made on those easy prompts, the ones the run starts with."""
+    curriculum_max_prompt_tokens: int = 0
+    """With curriculum_steps: the longest prompt (tokens, BOS included) of the curriculum's first steps. On the
+    built-in task a problem of k operations has a prompt of 8 + 2k tokens or so (15: up to 3 operations)."""
 
     def __post_init__(self) -> None:
         _require_at_least_one("data", max_solution_steps=self.max_solution_steps)
@@ -188,6 +195,12 @@ class DataConfig:
                               f"'{self.solution_style}'")
         if not self.length_tail > 0.0:  # written so that NaN fails too
             raise ConfigError(f"data.length_tail must be > 0 (a Zipf exponent), got {self.length_tail}")
+        if self.curriculum_steps < 0:
+            raise ConfigError(f"data.curriculum_steps must be >= 0 (0: no curriculum), got {self.curriculum_steps}")
+        if bool(self.curriculum_steps) != (self.curriculum_max_prompt_tokens > 0):
+            raise ConfigError("data.curriculum_steps and data.curriculum_max_prompt_tokens go together: set both "
+                              f"(> 0) for a curriculum, neither for none; got {self.curriculum_steps} and "
+                              f"{self.curriculum_max_prompt_tokens}")
 
 
 @dataclasses.dataclass(kw_only=True)

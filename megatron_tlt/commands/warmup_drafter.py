@@ -36,6 +36,7 @@ from megatron_tlt.model import mcore
 from megatron_tlt.parallel import ParallelLayout
 from megatron_tlt.rank_logs import console
 from megatron_tlt.rl.actor import compute_logprobs, features_on_every_stage
+from megatron_tlt.rl.inputs import curriculum
 from megatron_tlt.rl.inputs.data import PromptExample
 from megatron_tlt.rl.inputs.task import Task
 from megatron_tlt.rl.rank_session import RankSession
@@ -45,8 +46,10 @@ from megatron_tlt.spec.metrics import SpecDecodeStats
 logger = logging.getLogger(__name__)
 
 
-def _split_prompts(task: Task, settings: ColdStartSettings) -> tuple[list[PromptExample], list[PromptExample]]:
-    """Training prompts from the dataset; held-out prompts from the task's own, else the dataset's tail."""
+def _split_prompts(task: Task, settings: ColdStartSettings,
+                   curriculum_max_prompt_tokens: int = 0) -> tuple[list[PromptExample], list[PromptExample]]:
+    """Training prompts from the dataset (with an easy-first curriculum, only its first steps' prompts: those the
+    run starts with); held-out prompts from the task's own, else the dataset's tail."""
     examples = list(task.dataset.examples)
     if task.held_out:
         held_out = list(task.held_out[: settings.eval_prompts])
@@ -56,6 +59,8 @@ def _split_prompts(task: Task, settings: ColdStartSettings) -> tuple[list[Prompt
             logger.warning("the dataset's %d prompts: %d held out to evaluate the drafter, not %d", len(examples),
                            eval_prompts, settings.eval_prompts)
         held_out, examples = examples[len(examples) - eval_prompts:], examples[: len(examples) - eval_prompts]
+    if curriculum_max_prompt_tokens:
+        examples = [examples[i] for i in curriculum.easy_positions(examples, curriculum_max_prompt_tokens)]
     if len(examples) < settings.prompts:
         logger.warning("the dataset has %d prompts to train on, fewer than the %d asked for", len(examples),
                        settings.prompts)
@@ -169,7 +174,7 @@ def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: 
     try:
         is_reporter = dist.get_rank() == 0
         session = _Session(config, Path(policy_dir) if policy_dir is not None else None, settings, Path(workdir))
-        train_prompts, eval_prompts = _split_prompts(session.task, settings)
+        train_prompts, eval_prompts = _split_prompts(session.task, settings, config.data.curriculum_max_prompt_tokens)
         seed = config.trainer.seed
         eval_seqs, eval_feats, acceptance_before = session.generate_with_features(
             eval_prompts, seed, "held-out responses, drafter before")

@@ -44,10 +44,9 @@ from megatron_tlt.model import mcore
 from megatron_tlt.rl.actor import CapturedFeatures, compute_logprobs, features_on_every_stage
 from megatron_tlt.rl import held_out_slice
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
-from megatron_tlt.rl.inputs import policy_source
+from megatron_tlt.rl.inputs import curriculum, policy_source
 from megatron_tlt.rl.inputs.data import PromptExample
 from megatron_tlt.rl.held_out_slice import HeldOutSlice
-from megatron_tlt.rl.inputs.sampler import PromptSampler
 from megatron_tlt.rl.rank_session import RankSession
 from megatron_tlt.rl.rewards.pool import RankRewardPool, StreamedScores
 from megatron_tlt.rl.run import checkpoint, checkpoint_paths, metric_loggers
@@ -92,8 +91,11 @@ class RLTrainer:
             self.reference = policy_source.load_policy(config, self.arch, self.session.initial_source)
             self.reference.requires_grad_(False)
 
-        self.sampler = PromptSampler(len(self.dataset), batch_prompts=config.trainer.prompts_per_step,
-                                     dp_rank=self.dp_rank, dp_size=self.dp_size, seed=config.trainer.seed)
+        self.sampler = curriculum.prompt_sampler(
+            self.dataset.examples, curriculum_steps=config.data.curriculum_steps,
+            curriculum_max_prompt_tokens=config.data.curriculum_max_prompt_tokens,
+            batch_prompts=config.trainer.prompts_per_step, dp_rank=self.dp_rank, dp_size=self.dp_size,
+            seed=config.trainer.seed)
         self.start_step, state = 0, None
         if ckpt is not None:
             state = checkpoint.load_checkpoint_state(ckpt, optimizer=self.optimizer)
