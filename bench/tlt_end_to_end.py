@@ -145,7 +145,8 @@ def main() -> None:
         steps, _, tokens = args.curriculum.partition(":")
         if not (steps.isdigit() and tokens.isdigit() and 0 < int(steps) < args.steps and int(tokens) > 0):
             parser.error(f"--curriculum must be STEPS:TOKENS with 0 < STEPS < --steps, got '{args.curriculum}'")
-        args.overrides = [*args.overrides, f"data.curriculum_steps={steps}", f"data.curriculum_max_prompt_tokens={tokens}"]
+        args.overrides = [*args.overrides, f"data.curriculum_steps={steps}",
+                          f"data.curriculum_max_prompt_tokens={tokens}"]
     if args.depth is None:  # the default's own depth, so that the bench measures what `tlt train` runs
         from megatron_tlt.config import load_config
 

@@ -396,6 +396,11 @@ class DrafterConfig:
     """The policy embedding and LM head the drafter trains with: ``features`` (those of the policy that made the
     newest features, so heads and features agree, as in the serial schedule) or ``newest`` (the policy after the
     last update, one version ahead of every feature in the buffer); see pack_order for what it measured."""
+    average_adam_moments: bool = True
+    """Whether the end-of-rollout average of the replicas (the token-weighted mean of the ranks that trained) takes
+    Adam's moments too, so every replica goes on from one optimizer state; off, each rank keeps its own moments,
+    which describe a drafter it no longer holds once another rank trained (and none at all before its first
+    micro-step, so its first one is a sign step of size lr)."""
     hidden_weight: float = 1.0
     ce_weight: float = 0.1
     tv_weight: float = 0.0
