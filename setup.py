@@ -16,7 +16,9 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_tlt", "megatron_tlt.*", "checkpoints_tools", "checkpoints_tools.*"]),
     # The tiny default's shipped warm-up and cold-start drafter (rl/tiny/shipped_start.py); .metadata is a hidden file.
-    package_data={"megatron_tlt.rl.tiny": ["shipped/*.json", "shipped/*/*", "shipped/*/*/*", "shipped/*/*/.metadata"]},
+    # The measured FP8 table drafter.precision=auto goes by (drafter/fp8_measured.py).
+    package_data={"megatron_tlt.rl.tiny": ["shipped/*.json", "shipped/*/*", "shipped/*/*/*", "shipped/*/*/.metadata"],
+                  "megatron_tlt.drafter": ["fp8_measured.json"]},
     install_requires=[
         # 0.17+ requires Python 3.12; megatron_tlt.cpu_compat is written against 0.16.x.
         "megatron-core>=0.16.1,<0.17",

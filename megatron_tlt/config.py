@@ -439,9 +439,13 @@ class DrafterConfig:
     ``drafter/neighbour_slowdown.py``); above the bound the duty cycle is halved, below half of it raised by 1.1x,
     never above spot_duty_cycle (drafter/duty_cycle: the one used). None: the duty cycle stays as set."""
     precision: str = "auto"
-    """auto (fp8 through Transformer Engine where the GPU has FP8 tensor cores and TE is importable, else bf16 on
-    GPU, fp32 on CPU), fp32, bf16, fp8 (through TE, else torchao's float8 training; refused at start-up, saying
-    why, where neither can run). The path taken is logged and in summary.json as drafter/precision."""
+    """auto, fp32, bf16 or fp8. auto: fp8 only where it measured faster, through a backend (Transformer Engine or
+    torchao) that megatron_tlt/drafter/fp8_measured.json says trained at >= 1.05x bf16's tokens/s on this GPU (by
+    name) in the mode the trainer runs (eager), else bf16 on GPU, fp32 on CPU; TE too needs its row. No GPU has such
+    a row yet: an H200 measured torchao's eager float8 at 0.48x bf16 (bench/RESULTS.md), so auto is bf16 on GPU.
+    bench/drafter_precision.py --record adds rows. fp8: through TE, else torchao's float8 training, measured or not;
+    refused at start-up, saying why, where neither can run. The path taken and why are logged and in summary.json as
+    drafter/precision and drafter/precision_reason."""
     init_dir: str | None = None
     """Start from this EAGLE drafter directory (e.g. made by ``tlt warmup-drafter``) instead of random weights."""
     cold_start: bool = False

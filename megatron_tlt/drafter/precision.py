@@ -4,19 +4,25 @@
   * ``fp32`` / ``bf16``: plain torch;
   * ``fp8``: asked for explicitly, so refused with the reason where it cannot run: ``tlt train`` refuses it
     before any rank starts (``check_runs_here``) and each rank again when it builds its drafter;
-  * ``auto``: fp8 through Transformer Engine where it can run, else bf16 on GPU, fp32 on CPU. Not through
-    torchao: without ``torch.compile`` its scaling ops are not fused, and no GPU has yet measured it against
-    bf16 (``bench/drafter_precision.py``), so a default must not bet on it; ``fp8`` takes it where TE is absent.
-The run says which path it took (a log line at start, ``drafter/precision`` in summary.json), so nothing
-runs in bf16 unannounced.
+  * ``auto``: FP8 only where it measured faster: through a backend that ``fp8_measured.json`` has a row for, on
+    this GPU (by name), in the mode the trainer runs (eager: ``tlt train`` does not compile the drafter), at
+    ``fp8_measured.FP8_PAYS_AT`` (1.05x bf16) or above, the fastest such backend that imports; else bf16 on GPU,
+    fp32 on CPU. Transformer Engine too needs its row: nobody has measured it pay here yet, and torchao's
+    eager float8, which everyone expected to, measured 0.48x bf16 on an H200 (bench/RESULTS.md). The table's
+    rows come from ``bench/drafter_precision.py --record``.
+The run says which path it took and why: a log line at start, ``drafter/precision`` and ``drafter/precision_reason``
+in summary.json (``DrafterPrecision.reason``, e.g. "auto: torchao measured 0.48x bf16 in eager mode on NVIDIA H200
+(2026-11-28), under 1.05x; transformer_engine not measured ...: bf16"), so nothing runs in bf16 unannounced.
 
 FP8 needs a CUDA device of compute capability 8.9+ (FP8 tensor cores, ``torch._scaled_mm``) and one of two
-backends, the first importable one in this order:
+backends; ``fp8`` takes the first importable one in this order:
   * ``transformer_engine``: the drafter's linear layers are ``te.Linear`` and its forward runs inside
     ``fp8_autocast`` (delayed scaling, HYBRID: e4m3 forward, e5m2 gradients);
   * ``torchao``: the drafter is built of plain ``nn.Linear`` and ``torchao.float8.convert_to_float8_training``
     swaps each for a ``Float8Linear`` (dynamic tensorwise scaling, the same parameters) whose GEMMs go through
     ``torch._scaled_mm``; no autocast context. It is pure Python over torch: no build, unlike TE's torch part.
+    Eager, its casts and scales run as separate kernels around each GEMM; ``torch.compile`` fuses them
+    (``DrafterTrainer.compile``, which the bench's compiled arms use).
 Either way the parameters keep nn.Linear's names (``weight``, ``bias``), so ``export_tensors`` and the drafter
 checkpoints hold vLLM's tensors and nothing else; packs are padded to 16 rows for both (``trainer.row_multiple``).
 """
@@ -27,12 +33,15 @@ import contextlib
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from megatron_tlt.config import DRAFTER_PRECISIONS, ConfigError
 from megatron_tlt.device import compute_device
+from megatron_tlt.drafter.fp8_measured import COMPILE_MODES, EAGER, FP8_PAYS_AT, MeasuredRow, find_row, load_rows
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +63,8 @@ class DrafterPrecision:
     """Parameter dtype (the master weights)."""
     fp8_backend: str | None = None
     """None, or one of ``FP8_BACKENDS``: the drafter's GEMMs run in FP8 through it."""
+    reason: str = dataclasses.field(default="", compare=False)
+    """Why this path: the setting as given, or what ``auto`` went by (summary.json's ``drafter/precision_reason``)."""
 
     def __post_init__(self) -> None:
         assert self.fp8_backend in (None, *FP8_BACKENDS), self.fp8_backend
@@ -81,6 +92,13 @@ class DrafterPrecision:
 
 
 # ------------------------------------------------------------------------------------ what this machine offers
+
+class CudaKind(NamedTuple):
+    """The kind of GPU a rank computes on: what ``fp8_measured.json``'s rows are matched by (the name)."""
+
+    name: str
+    capability: tuple[int, int]
+
 
 def choose_fp8_backend(capability: tuple[int, int] | None, import_errors: dict[str, str | None]
                        ) -> tuple[str | None, str | None]:
@@ -114,6 +132,47 @@ def _cuda_capability() -> tuple[int, int] | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability(compute_device())
+
+
+def _cuda_kind() -> CudaKind | None:
+    """This process's CUDA device's name and compute capability (None: no CUDA device)."""
+    if not torch.cuda.is_available():
+        return None
+    device = compute_device()
+    return CudaKind(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+
+
+def choose_auto(gpu: CudaKind | None, rows: list[MeasuredRow], import_error: Callable[[str], str | None], *,
+                compile_mode: str = EAGER) -> tuple[str | None, str]:
+    """What ``drafter.precision=auto`` takes: ``(backend, reason)`` with backend None for bf16 on a GPU (fp32
+    without one). Pure: ``gpu`` is the CUDA device (None: none), ``rows`` the measured table, ``import_error``
+    a backend's import error (None: importable; asked only of backends measured to pay here). FP8 is taken
+    through the backend whose row for this GPU name and ``compile_mode`` is the fastest at ``FP8_PAYS_AT`` or
+    above and that imports; the reason quotes that row, or says of every backend why not."""
+    assert compile_mode in COMPILE_MODES, compile_mode
+    if gpu is None:
+        return None, "auto: no CUDA device: fp32"
+    if tuple(gpu.capability) < FP8_MIN_CAPABILITY:
+        return None, (f"auto: {gpu.name} has compute capability {gpu.capability[0]}.{gpu.capability[1]} < "
+                      f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}, no FP8 tensor cores: bf16")
+    measured = {backend: find_row(rows, gpu.name, backend, compile_mode) for backend in FP8_BACKENDS}
+    paying = sorted((row for row in measured.values() if row is not None and row.vs_bf16 >= FP8_PAYS_AT),
+                    key=lambda row: -row.vs_bf16)
+    errors = {}
+    for row in paying:
+        errors[row.backend] = import_error(row.backend)
+        if errors[row.backend] is None:
+            return row.backend, f"auto: {row.says()}, >= {FP8_PAYS_AT}x: fp8 ({row.backend})"
+    why_not = []
+    for backend, row in measured.items():
+        if row is None:
+            mode = "in eager mode" if compile_mode == EAGER else "under torch.compile"
+            why_not.append(f"{backend} not measured {mode} on {gpu.name}")
+        elif row.vs_bf16 < FP8_PAYS_AT:
+            why_not.append(f"{row.says()}, under {FP8_PAYS_AT}x")
+        else:
+            why_not.append(f"{row.says()} but cannot be imported here ({errors[backend]})")
+    return None, f"auto: {'; '.join(why_not)}: bf16"
 
 
 def detect_fp8_backend() -> tuple[str | None, str | None]:
@@ -154,26 +213,33 @@ def check_runs_here(requested: str) -> None:
         raise ConfigError(f"drafter.precision=fp8 cannot run here: {reason}; use drafter.precision=bf16 or auto")
 
 
-def resolve_precision(requested: str) -> DrafterPrecision:
+def resolve_precision(requested: str, *, compile_mode: str = EAGER,
+                      measured: list[MeasuredRow] | None = None) -> DrafterPrecision:
+    """The path ``drafter.precision=requested`` takes on this rank's device, with the reason. ``compile_mode``:
+    how the trainer will run (``tlt train`` and ``tlt warmup-drafter``: eager), the mode of the measured rows
+    ``auto`` goes by; ``measured``: those rows (default: the shipped ``fp8_measured.json``)."""
     check_runs_here(requested)
     device = compute_device()
-    if requested == "fp32":
-        return DrafterPrecision(device, torch.float32)
-    if requested == "bf16":
-        return DrafterPrecision(device, torch.bfloat16)
-    backend, _ = detect_fp8_backend()
-    if backend is not None and (requested == "fp8" or backend == TRANSFORMER_ENGINE):  # fp8 was checked above
-        return DrafterPrecision(device, torch.bfloat16, fp8_backend=backend)
-    return DrafterPrecision(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if requested in ("fp32", "bf16"):
+        dtype = torch.float32 if requested == "fp32" else torch.bfloat16
+        return DrafterPrecision(device, dtype, reason=f"drafter.precision={requested} as set")
+    if requested == "fp8":  # checked above: it runs here
+        backend, _ = detect_fp8_backend()
+        passed_over = [f"{b} not importable" for b in FP8_BACKENDS[:FP8_BACKENDS.index(backend)]]
+        return DrafterPrecision(device, torch.bfloat16, fp8_backend=backend,
+                                reason=", ".join([f"drafter.precision=fp8 as set: through {backend}", *passed_over]))
+    backend, reason = choose_auto(_cuda_kind(), load_rows() if measured is None else measured, backend_import_error,
+                                  compile_mode=compile_mode)
+    if backend is not None:
+        return DrafterPrecision(device, torch.bfloat16, fp8_backend=backend, reason=reason)
+    return DrafterPrecision(device, torch.bfloat16 if device.type == "cuda" else torch.float32, reason=reason)
 
 
 def start_up_line(requested: str, precision: DrafterPrecision) -> str:
-    """What rank 0 logs as the drafter is built: the path taken and, on a GPU where ``auto`` did not take fp8, why."""
+    """What rank 0 logs as the drafter is built: the path taken and, on a GPU with ``auto``, why."""
     line = f"{precision.describe()} (drafter.precision={requested})"
-    if requested == "auto" and not precision.fp8 and precision.device.type == "cuda":
-        reason = fp8_unavailable_reason() or ("auto takes fp8 through Transformer Engine only; "
-                                              "drafter.precision=fp8 trains through torchao")
-        line += f"; not fp8: {reason}"
+    if requested == "auto" and precision.device.type == "cuda":
+        line += f"; {precision.reason}"
     return line
 
 

@@ -12,8 +12,9 @@ The trainer calls it at its phase boundaries and passes what one phase gives the
   save       ``save`` writes it beside the policy checkpoint, in the background.
 
 ``summary_fields`` turns every rank's ``TailReport`` into the step's ``drafter/*`` fields, among them the
-precision it trains in (``drafter/precision``: fp32, bf16, fp8 (transformer_engine), fp8 (torchao)), which
-rank 0 also logs when the drafter is built.
+precision it trains in (``drafter/precision``: fp32, bf16, fp8 (transformer_engine), fp8 (torchao)) and why
+(``drafter/precision_reason``: the setting as given, or what ``auto`` went by), which rank 0 also logs when the
+drafter is built.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class TailReport:
     """``DrafterTrainer.phase_stats()``: loss, top-1 agreement, tokens, dropped steps, buffer tokens."""
     precision: str
     """The path the drafter trains through (``DrafterPrecision.label``)."""
+    precision_reason: str = ""
+    """Why that path (``DrafterPrecision.reason``)."""
     duty_cycle: float = 1.0
     """The share of its idle time the spot trainer was allowed to train."""
 
@@ -189,7 +192,8 @@ class TLTDrafter:
         stats = self.trainer.phase_stats()
         with timeline.phase("sync"):
             self._count_trained(self.trainer.average_replicas())
-        return TailReport(spot=spot, stats=stats, precision=self.trainer.precision.label)
+        return TailReport(spot=spot, stats=stats, precision=self.trainer.precision.label,
+                          precision_reason=self.trainer.precision.reason)
 
     def wait_for_rollout_end(self, timeline: RankTimeline) -> TailReport:
         """Train on this rank's idle time until every rank's share is done, then average the replicas."""
@@ -200,7 +204,7 @@ class TLTDrafter:
             self.checkpointer.wait()  # a write still reading the drafter (rollout shorter than it)
             self._count_trained(self.trainer.average_replicas())
         return TailReport(spot=spot, stats=stats, precision=self.trainer.precision.label,
-                          duty_cycle=self.spot.duty_cycle)
+                          precision_reason=self.trainer.precision.reason, duty_cycle=self.spot.duty_cycle)
 
     def adapt_duty_cycle(self, rollout_cost: float | None) -> None:
         """Set every rank's duty cycle for the next rollout from the cost rank 0 measured in this one
@@ -304,10 +308,12 @@ def summary_fields(reports: list[TailReport | None], timelines: list[RankTimelin
     trained = [s["tokens"] for s in stats]
     losses = [(s["loss"], s["tokens"]) for s in stats if s["tokens"] > 0]
     precisions = [r.precision for r in reports]
+    reasons = [r.precision_reason for r in reports]
     agreements = [(s["top1_agreement"], s["tokens"]) for s in stats if s["tokens"] > 0]
     return {
         # one label where every rank agrees (they resolve the same setting on the same kind of device), else each's
         "drafter/precision": precisions[0] if len(set(precisions)) == 1 else precisions,
+        "drafter/precision_reason": reasons[0] if len(set(reasons)) == 1 else reasons,  # a string: not a scalar
         "drafter/tokens_trained": trained,
         "drafter/loss": _weighted_mean(losses),
         "drafter/top1_agreement": _weighted_mean(agreements),

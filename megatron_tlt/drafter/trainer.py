@@ -24,7 +24,7 @@ from megatron_tlt.drafter.buffer import HiddenStateBuffer
 from megatron_tlt.drafter.loss import drafter_loss
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.packing import DrafterPack, iter_packs, pack_sequences, pad_rows
-from megatron_tlt.drafter.precision import DrafterPrecision, autocast
+from megatron_tlt.drafter.precision import TRANSFORMER_ENGINE, DrafterPrecision, autocast
 from megatron_tlt.formats.architecture import PolicyArchitecture
 
 _EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -73,7 +73,26 @@ class DrafterTrainer:
         self._packs: list[DrafterPack] = []
         self._cycle = 0
         self._retry: DrafterPack | None = None
+        self._drafter_loss = drafter_loss  # or its compiled form (compile)
         self.reset_phase_stats()
+
+    def compile(self, **options) -> None:
+        """Compile the micro-step's heavy regions in place with ``torch.compile(**options)``: the drafter's fc and
+        decoder layer (every linear with FP8's amax, scale and cast beside its GEMM, attention, norm, SwiGLU) and the
+        loss (the frozen LM head's GEMMs, the softmax over the vocabulary), forward and backward. Not the whole
+        micro-step: its preemption points (callbacks that raise, gradient hooks), the rows a data-dependent mask
+        keeps and the optimizer step would each break the graph, and fusing the casts with their GEMMs' neighbours
+        is what FP8 needs. Parameter names stay (``nn.Module.compile``), so exports and checkpoints do too. The first
+        micro-steps of each pack shape compile (seconds to minutes at 70B dims): the bench's compiled arms use it;
+        ``tlt train`` does not yet (a compile in a rank's idle tail would outlast its preemption). Transformer
+        Engine's layers run their own fused kernels and are not compiled here."""
+        if self.precision.fp8_backend == TRANSFORMER_ENGINE:
+            raise ValueError("a drafter in fp8 through Transformer Engine is not compiled (fp8_autocast's state is "
+                             "not traced): TE fuses its FP8 casts itself")
+        self.drafter.fc.compile(**options)
+        for layer in self.drafter.layers:
+            layer.compile(**options)
+        self._drafter_loss = torch.compile(drafter_loss, **options)
 
     # -------------------------------------------------------------- inputs, refreshed every RL step
 
@@ -208,7 +227,7 @@ class DrafterTrainer:
             keep_t = valid_t[:pack.num_tokens]
             if not bool(keep_t.any()):  # every segment shorter than this draft step
                 break
-            loss, metrics = drafter_loss(pred_th[:pack.num_tokens][keep_t], pack.target_features_th[keep_t],
+            loss, metrics = self._drafter_loss(pred_th[:pack.num_tokens][keep_t], pack.target_features_th[keep_t],
                                          lm_head_vh, hidden_weight=self.settings.hidden_weight,
                                          ce_weight=self.settings.ce_weight, tv_weight=self.settings.tv_weight)
             losses.append(loss)

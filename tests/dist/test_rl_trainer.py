@@ -514,6 +514,7 @@ def test_speculative_rollouts_with_beg_mab_report_depths_and_keep_the_bandit_acr
     assert all(r["drafter/tokens_trained"][0] > 0 for r in records[1:])  # it trains while speculation runs with it
     # the path it trains through, in every record and in rank 0's log from the start (drafter.precision=auto)
     assert all(r["drafter/precision"] == "fp32" for r in records)
+    assert all(r["drafter/precision_reason"] == "auto: no CUDA device: fp32" for r in records)
     assert "drafter trains in fp32 on cpu (drafter.precision=auto)" in (spot_run / "logs" / "rank0.log").read_text()
     # the console's estimate of the rollout's speedup over depth 0, once the bandit has rates for it
     estimates = [r["spec/rollout_speedup_vs_depth0"] for r in records if "spec/rollout_speedup_vs_depth0" in r]

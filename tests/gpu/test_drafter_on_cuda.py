@@ -82,13 +82,19 @@ def test_drafter_micro_steps_on_cuda_lower_the_loss_on_a_fixed_pack(arm, unroll_
 
 
 @pytest.mark.needs("fp8")
-def test_fp8_on_this_gpu_takes_transformer_engine_where_it_imports_else_torchao_and_auto_only_te():
+def test_fp8_on_this_gpu_takes_transformer_engine_where_it_imports_else_torchao_and_auto_only_what_measured_faster():
+    from megatron_tlt.drafter.fp8_measured import FP8_PAYS_AT, load_rows
     from megatron_tlt.drafter.precision import TORCHAO, TRANSFORMER_ENGINE, backend_import_error, resolve_precision
 
     expected = TRANSFORMER_ENGINE if backend_import_error(TRANSFORMER_ENGINE) is None else TORCHAO
     fp8 = resolve_precision("fp8")
     assert (fp8.label, fp8.dtype) == (f"fp8 ({expected})", torch.bfloat16)
-    assert resolve_precision("auto").label == ("fp8 (transformer_engine)" if expected == TRANSFORMER_ENGINE else "bf16")
+    auto = resolve_precision("auto")
+    name = torch.cuda.get_device_name()
+    paying = {row.backend for row in load_rows() if row.device == name and row.compile == "eager"
+              and row.vs_bf16 >= FP8_PAYS_AT and backend_import_error(row.backend) is None}
+    assert auto.fp8 == bool(paying) and (auto.fp8_backend in paying or not auto.fp8), (auto, paying)
+    assert auto.reason.startswith("auto: ") and name in auto.reason
     assert fp8.describe().startswith("drafter trains in fp8 through " + {TRANSFORMER_ENGINE: "Transformer Engine",
                                                                          TORCHAO: "torchao float8"}[expected])
 

@@ -33,4 +33,5 @@ def test_tlt_train_runs_two_speculative_steps_with_the_spot_trainer_on_one_gpu(t
         assert record["spec/mean_acceptance_length"] >= 1.0
         assert record["drafter/failed"] is False
         assert record["drafter/precision"] == took.label  # bf16, or fp8 (transformer_engine | torchao)
+        assert record["drafter/precision_reason"] == took.reason  # what auto went by: fp8_measured.json's rows
     assert took.describe() in (run_dir / "logs" / "rank0.log").read_text()

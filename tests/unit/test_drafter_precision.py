@@ -9,15 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_tlt.drafter import precision as precision_module
+from megatron_tlt.drafter.fp8_measured import COMPILED, EAGER, MeasuredRow, load_rows
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.precision import (
     TORCHAO,
     TRANSFORMER_ENGINE,
+    CudaKind,
     DrafterPrecision,
     backend_import_error,
+    choose_auto,
     choose_fp8_backend,
     fp8_unavailable_reason,
     resolve_precision,
+    start_up_line,
 )
 from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
@@ -83,10 +88,91 @@ def test_the_path_taken_is_named_for_the_log_and_summary_json():
 
 
 @no_cuda
-def test_the_start_up_line_says_what_auto_took():
-    from megatron_tlt.drafter.precision import start_up_line
+def test_the_start_up_line_says_what_auto_took_and_the_precision_says_why():
+    auto = resolve_precision("auto")
+    assert start_up_line("auto", auto) == "drafter trains in fp32 on cpu (drafter.precision=auto)"
+    assert auto.reason == "auto: no CUDA device: fp32"
+    assert resolve_precision("bf16").reason == "drafter.precision=bf16 as set"
 
-    assert start_up_line("auto", resolve_precision("auto")) == "drafter trains in fp32 on cpu (drafter.precision=auto)"
+
+# ------------------------------------------------------------------ auto: FP8 only where it measured faster
+
+H200, H100 = CudaKind("NVIDIA H200", (9, 0)), CudaKind("NVIDIA H100 80GB HBM3", (9, 0))
+
+
+def _row(backend: str, vs_bf16: float, *, device: str = "NVIDIA H200", compile: str = EAGER,
+         date: str = "2026-12-01") -> MeasuredRow:
+    return MeasuredRow(device=device, capability="9.0", backend=backend, compile=compile, vs_bf16=vs_bf16, date=date)
+
+
+def _importable(backend: str) -> str | None:
+    return None
+
+
+def test_auto_does_not_take_fp8_on_the_h200_as_measured_and_says_why():
+    """The shipped table's one row: torchao's eager float8 at 0.48x bf16 on an H200, TE never measured."""
+    assert choose_auto(H200, load_rows(), _importable) == (None, (
+        "auto: transformer_engine not measured in eager mode on NVIDIA H200; torchao measured 0.48x bf16 in eager "
+        "mode on NVIDIA H200 (2026-11-28), under 1.05x: bf16"))
+
+
+def test_auto_takes_fp8_where_the_table_says_that_backend_measured_faster_on_this_gpu():
+    rows = [_row(TORCHAO, 1.42)]
+    assert choose_auto(H200, rows, _importable) == (TORCHAO, (
+        "auto: torchao measured 1.42x bf16 in eager mode on NVIDIA H200 (2026-12-01), >= 1.05x: fp8 (torchao)"))
+    backend, reason = choose_auto(H100, rows, _importable)  # another GPU of the same capability: not measured
+    assert backend is None and reason.endswith("torchao not measured in eager mode on NVIDIA H100 80GB HBM3: bf16")
+
+
+@pytest.mark.parametrize("rows, compile_mode, chosen", [
+    ([_row(TORCHAO, 1.04)], EAGER, None),  # faster, but within noise: under FP8_PAYS_AT
+    ([_row(TORCHAO, 1.05)], EAGER, TORCHAO),
+    ([_row(TORCHAO, 1.4, compile=COMPILED)], EAGER, None),  # measured compiled; the trainer runs eager
+    ([_row(TORCHAO, 1.4, compile=COMPILED)], COMPILED, TORCHAO),
+    ([_row(TORCHAO, 1.3), _row(TRANSFORMER_ENGINE, 1.6)], EAGER, TRANSFORMER_ENGINE),  # the fastest that pays
+    ([_row(TORCHAO, 1.6), _row(TRANSFORMER_ENGINE, 1.3)], EAGER, TORCHAO),
+    ([_row(TORCHAO, 1.3, date="2026-12-01"), _row(TORCHAO, 0.9, date="2026-12-05")], EAGER, None),  # the newest
+])
+def test_auto_takes_the_fastest_backend_measured_to_pay_in_the_trainers_mode(rows, compile_mode, chosen):
+    assert choose_auto(H200, rows, _importable, compile_mode=compile_mode)[0] == chosen
+
+
+def test_auto_passes_over_a_backend_that_pays_but_does_not_import_here_and_says_so():
+    rows = [_row(TRANSFORMER_ENGINE, 1.6), _row(TORCHAO, 1.2)]
+    te_missing = {TRANSFORMER_ENGINE: "ModuleNotFoundError: No module named 'transformer_engine'", TORCHAO: None}
+    assert choose_auto(H200, rows, te_missing.get)[0] == TORCHAO
+    backend, reason = choose_auto(H200, rows[:1], te_missing.get)
+    assert backend is None and reason == (
+        "auto: transformer_engine measured 1.60x bf16 in eager mode on NVIDIA H200 (2026-12-01) but cannot be "
+        "imported here (ModuleNotFoundError: No module named 'transformer_engine'); torchao not measured in eager "
+        "mode on NVIDIA H200: bf16")
+
+
+def test_auto_is_fp32_without_a_gpu_and_bf16_without_fp8_tensor_cores_whatever_the_table_says():
+    rows = [_row(TORCHAO, 2.0, device="NVIDIA A100-SXM4-80GB")]
+    assert choose_auto(None, rows, _importable) == (None, "auto: no CUDA device: fp32")
+    assert choose_auto(CudaKind("NVIDIA A100-SXM4-80GB", (8, 0)), rows, _importable) == (None, (
+        "auto: NVIDIA A100-SXM4-80GB has compute capability 8.0 < 8.9, no FP8 tensor cores: bf16"))
+
+
+def test_resolve_precision_goes_by_the_table_on_the_gpu_it_runs_on(monkeypatch):
+    """resolve_precision on a stand-in H200 (its name and capability; nothing touches CUDA): bf16 by the shipped
+    table, fp8 through torchao by a table where torchao measured faster; the start-up line quotes the reason."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(precision_module, "_cuda_kind", lambda: H200)
+    monkeypatch.setattr(precision_module, "compute_device", lambda: cuda)
+    monkeypatch.setattr(precision_module, "backend_import_error", _importable)
+    shipped = resolve_precision("auto")
+    assert (shipped.label, shipped.dtype) == ("bf16", torch.bfloat16)
+    assert shipped.reason == choose_auto(H200, load_rows(), _importable)[1]
+    assert start_up_line("auto", shipped) == (f"drafter trains in bf16 on cuda:0 (drafter.precision=auto); "
+                                              f"{shipped.reason}")
+    faster = resolve_precision("auto", measured=[_row(TORCHAO, 1.42)])
+    assert (faster.label, faster.dtype, faster.reason) == ("fp8 (torchao)", torch.bfloat16, (
+        "auto: torchao measured 1.42x bf16 in eager mode on NVIDIA H200 (2026-12-01), >= 1.05x: fp8 (torchao)"))
+    assert resolve_precision("auto", measured=[_row(TORCHAO, 1.42, compile=COMPILED)]).label == "bf16"
+    assert resolve_precision("auto", compile_mode=COMPILED,
+                             measured=[_row(TORCHAO, 1.42, compile=COMPILED)]).label == "fp8 (torchao)"
 
 
 @no_cuda

@@ -87,17 +87,19 @@ def test_acceptance_pools_every_engines_drafts_not_their_rates():
     assert "spec/mean_acceptance_length" not in _record(_report(0, spec=SpecDecodeStats()))  # speculation off
 
 
-def test_a_step_whose_drafter_trained_names_its_precision_and_keeps_the_name_out_of_the_scalars():
+def test_a_step_whose_drafter_trained_names_its_precision_and_why_and_keeps_them_out_of_the_scalars():
     from megatron_tlt.drafter.spot import SpotReport
     from megatron_tlt.drafter.tlt_drafter import TailReport
     from megatron_tlt.rl.run.metric_loggers import scalar_metrics
 
     stats = {"loss": 1.0, "top1_agreement": 0.5, "tokens": 10.0, "dropped_steps": 0, "buffer_tokens": 20}
+    why = "auto: torchao measured 1.40x bf16 in eager mode on NVIDIA H200 (2026-12-01), >= 1.05x: fp8 (torchao)"
     trained = [dataclasses.replace(_report(rank), tail=TailReport(spot=SpotReport(micro_steps=1, tokens=10),
-                                                                  stats=stats, precision="fp8 (torchao)"))
+                                                                  stats=stats, precision="fp8 (torchao)",
+                                                                  precision_reason=why))
                for rank in range(2)]
     record = _record(*trained)
-    assert record["drafter/precision"] == "fp8 (torchao)"
+    assert (record["drafter/precision"], record["drafter/precision_reason"]) == ("fp8 (torchao)", why)
     assert not any(key.startswith("drafter/precision") for key in scalar_metrics(record))
     assert "drafter/precision" not in _record(_report(0), _report(1))  # no drafter trained: no drafter fields
 
