@@ -396,6 +396,11 @@ class DrafterConfig:
     """The policy embedding and LM head the drafter trains with: ``features`` (those of the policy that made the
     newest features, so heads and features agree, as in the serial schedule) or ``newest`` (the policy after the
     last update, one version ahead of every feature in the buffer); see pack_order for what it measured."""
+    features_from_every_group: bool = False
+    """On-policy with ``algorithm.filter_equal_reward_groups``, the update's forward captures drafter features only
+    of the groups it trains on: once reward is high the drafter never sees the all-correct groups that are most of
+    what the rollout decodes. On, those groups get a forward of their own before the update (on the critical path,
+    in the log-prob phase) and train the drafter too."""
     average_adam_moments: bool = True
     """Whether the end-of-rollout average of the replicas (the token-weighted mean of the ranks that trained) takes
     Adam's moments too, so every replica goes on from one optimizer state; off, each rank keeps its own moments,

@@ -275,6 +275,25 @@ class RLTrainer:
                                       pad_id=self.tokenizer.pad_id, micro_batch_tokens=t.micro_batch_tokens)
         return held_out
 
+    def _features_of_dropped_groups(self, sequences: list[list[int]], advantages: list[float], train_drafter: bool,
+                                    held_out: HeldOutSlice, timeline: RankTimeline) -> int:
+        """With ``drafter.features_from_every_group``: the drafter features of the groups the equal-reward filter
+        leaves out of the on-policy update (its forward captures only those it trains on), by one forward of their
+        own before the update, handed to the drafter; returns their rows. Collective over the model-parallel group
+        (the ranks of a replica hold the same advantages)."""
+        if not (train_drafter and self._on_policy_update and self.config.drafter.features_from_every_group):
+            return 0
+        dropped = [i for i, advantage in enumerate(advantages) if advantage != advantage and i not in held_out]
+        if not dropped:
+            return 0
+        t = self.config.trainer
+        with timeline.phase("logprob"):
+            captured = compute_logprobs(self.model, [sequences[i] for i in dropped], vocab_size=self.arch.vocab_size,
+                                        micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                        micro_batch_tokens=t.micro_batch_tokens, capture_hidden=True,
+                                        max_feature_rows=self.config.drafter.buffer_tokens)
+            return self._keep_features([sequences[i] for i in dropped], captured, train_drafter, dropped, held_out)
+
     def _update(self, samples: list[Sample], token_ids: list[list[int]], advantages: list[float], old, ref,
                 timeline: RankTimeline, train_drafter: bool, held_out: HeldOutSlice) -> tuple[dict, int]:
         """The step's optimizer steps; returns their mean metrics and the drafter feature rows the update's forward
@@ -338,7 +357,9 @@ class RLTrainer:
         # Colocated: the engine's KV cache and weights leave the GPU while Megatron trains, as tlt plan counts it.
         self.engine.release_memory()
         held_out = self._held_out_slice(samples, sequences, advantages, train_drafter, timeline)
+        dropped_rows = self._features_of_dropped_groups(sequences, advantages, train_drafter, held_out, timeline)
         old, ref, feature_rows = self._logprob_pass(sequences, timeline, train_drafter, held_out)
+        feature_rows += dropped_rows
         update_metrics, update_feature_rows = self._update(samples, sequences, advantages, old, ref, timeline,
                                                            train_drafter, held_out)
         feature_rows += update_feature_rows
