@@ -401,11 +401,13 @@ class DrafterConfig:
     of the groups it trains on: once reward is high the drafter never sees the all-correct groups that are most of
     what the rollout decodes. On, those groups get a forward of their own before the update (on the critical path,
     in the log-prob phase) and train the drafter too."""
-    average_adam_moments: bool = True
+    average_adam_moments: bool = False
     """Whether the end-of-rollout average of the replicas (the token-weighted mean of the ranks that trained) takes
     Adam's moments too, so every replica goes on from one optimizer state; off, each rank keeps its own moments,
-    which describe a drafter it no longer holds once another rank trained (and none at all before its first
-    micro-step, so its first one is a sign step of size lr)."""
+    those of the drafter it last trained (none before its first micro-step). Measured from a stale start after a
+    curriculum's switch (spot_lr 1e-3; bench/RESULTS.md, 2026-11-29): the serving drafter over the cold start on the
+    same rows 1.130x averaged against 1.149x per rank, one repeat, where only one rank trained in any step: no gain
+    shown, so off."""
     hidden_weight: float = 1.0
     ce_weight: float = 0.1
     tv_weight: float = 0.0

@@ -2,10 +2,9 @@
 
 Every rank holds a replica. During rollout an idle rank runs ``micro_step`` (one pack, one Adam step)
 as often as the spot trainer lets it; at the end of rollout ``average_replicas`` makes every replica
-the token-weighted mean of those that trained, so every engine gets one version. Adam's moments are averaged
-the same way (``drafter.average_adam_moments``), so every replica goes on from one state: a rank's own moments
-would otherwise go stale after each average (they describe a drafter it no longer holds), and a rank that trains
-for the first time would start from none while the others carry theirs.
+the token-weighted mean of those that trained, so every engine gets one version. With
+``drafter.average_adam_moments`` Adam's moments are averaged the same way, so every replica goes on from one state;
+by default each rank keeps its own (those of the drafter it last trained), which measured no worse.
 
 Nothing here touches the policy, the global RNGs or a process group except ``average_replicas``.
 """
