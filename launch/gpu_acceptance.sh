@@ -126,8 +126,10 @@ if part tlt_end_to_end "${E2E_SECONDS:-180}" "not run yet" python3 bench/tlt_end
   for log in "$runs"/tlt-e2e/*/logs/rank0.log; do  # what each run said: held-out accuracy, TLT lines, errors
     [[ -f $log ]] && { echo "== $log"; grep -E "held-out|TLT:|ERROR|Error|step [0-9]+ " "$log" | tail -n 30; }
   done >"$out/tlt_end_to_end_runs.log"
-  # every run's summary.json and rank logs, complete or cut short, for the ratios to be read back later
-  tar -czf "$out/tlt_end_to_end_runs.tgz" -C "$runs" tlt-e2e 2>/dev/null
+  # every run's summary.json and rank logs, complete or cut short, for the ratios to be read back later; not its
+  # checkpoints (70 MB for two arms, and the device tool returns files of at most 16 MiB)
+  tar -czf "$out/tlt_end_to_end_runs.tgz" --exclude='*/checkpoints' --exclude='*/drafter' -C "$runs" tlt-e2e \
+    2>/dev/null
 fi
 rm -rf "$runs"
 
