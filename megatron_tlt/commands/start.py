@@ -198,6 +198,8 @@ def cold_start_dir(config) -> Path:
         drafter["tv_weight"] = config.drafter.tv_weight
     sampling = dict(temperature=config.rollout.temperature, max_response_tokens=config.rollout.max_response_tokens)
     data = {k: v for k, v in dataclasses.asdict(config.data).items() if k not in REWARD_SCORING_DATA_FIELDS}
+    if not config.data.curriculum_steps:  # as unroll_steps: keys made before curricula existed stay valid
+        del data["curriculum_steps"], data["curriculum_max_prompt_tokens"]
     key = cache_key(warmup=warmup_recipe(config), model=dataclasses.asdict(config.model), data=data,
                     parallel=dataclasses.asdict(config.parallel), seed=config.trainer.seed, sampling=sampling,
                     drafter=drafter, cold_start=dataclasses.asdict(cold_start_settings(config)))
