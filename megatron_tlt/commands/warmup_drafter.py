@@ -16,7 +16,6 @@ generation, advanced as its engine finishes prompts, and one for the training's 
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import shutil
 import tempfile

@@ -67,8 +67,13 @@ class MeasuredRow:
 
     def says(self) -> str:
         """The measurement in words, as a reason string quotes it."""
-        mode = "in eager mode" if self.compile == EAGER else "under torch.compile"
-        return f"{self.backend} measured {self.vs_bf16:.2f}x bf16 {mode} on {self.device} ({self.date})"
+        return (f"{self.backend} measured {self.vs_bf16:.2f}x bf16 {mode_in_words(self.compile)} on {self.device} "
+                f"({self.date})")
+
+
+def mode_in_words(compile_mode: str) -> str:
+    """How a reason string names a compile mode."""
+    return "in eager mode" if compile_mode == EAGER else "under torch.compile"
 
 
 def load_rows(path: str | Path = TABLE) -> list[MeasuredRow]:

@@ -41,7 +41,8 @@ from torch import nn
 
 from megatron_tlt.config import DRAFTER_PRECISIONS, ConfigError
 from megatron_tlt.device import compute_device
-from megatron_tlt.drafter.fp8_measured import COMPILE_MODES, EAGER, FP8_PAYS_AT, MeasuredRow, find_row, load_rows
+from megatron_tlt.drafter.fp8_measured import (COMPILE_MODES, EAGER, FP8_PAYS_AT, MeasuredRow, find_row, load_rows,
+                                               mode_in_words)
 
 logger = logging.getLogger(__name__)
 
@@ -127,19 +128,18 @@ def backend_import_error(backend: str) -> str | None:
     return None
 
 
-def _cuda_capability() -> tuple[int, int] | None:
-    """The compute capability of this process's CUDA device (None: no CUDA device)."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(compute_device())
-
-
 def _cuda_kind() -> CudaKind | None:
     """This process's CUDA device's name and compute capability (None: no CUDA device)."""
     if not torch.cuda.is_available():
         return None
     device = compute_device()
     return CudaKind(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+
+
+def _cuda_capability() -> tuple[int, int] | None:
+    """The compute capability of this process's CUDA device (None: no CUDA device)."""
+    kind = _cuda_kind()
+    return kind.capability if kind is not None else None
 
 
 def choose_auto(gpu: CudaKind | None, rows: list[MeasuredRow], import_error: Callable[[str], str | None], *,
@@ -166,8 +166,7 @@ def choose_auto(gpu: CudaKind | None, rows: list[MeasuredRow], import_error: Cal
     why_not = []
     for backend, row in measured.items():
         if row is None:
-            mode = "in eager mode" if compile_mode == EAGER else "under torch.compile"
-            why_not.append(f"{backend} not measured {mode} on {gpu.name}")
+            why_not.append(f"{backend} not measured {mode_in_words(compile_mode)} on {gpu.name}")
         elif row.vs_bf16 < FP8_PAYS_AT:
             why_not.append(f"{row.says()}, under {FP8_PAYS_AT}x")
         else:
