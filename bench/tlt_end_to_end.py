@@ -16,6 +16,7 @@ beside them the peers' ways of keeping a drafter, with the same speculation:
     python bench/tlt_end_to_end.py --no-serial --drift-lr 1e-3       # 5c: a policy that moves far
     python bench/tlt_end_to_end.py --no-off --no-serial --steps 30 --curriculum 10:15   # 5c: a curriculum's switch
     python bench/tlt_end_to_end.py --no-off --no-serial ...          # the drafters only (ratios against 'on')
+    python bench/tlt_end_to_end.py --reprint DIR                      # a kept bench's figures again (--keep DIR)
 
 Weak start (``--start random``): TLT on and the frozen arm start from a randomly initialised drafter (the
 seeded initialisation a run without a cold start has), and one more arm, ``cold``, runs the in-domain cold start
@@ -40,6 +41,10 @@ BEG-MAB; ``--variant goodput speculation.policy=goodput`` races the goodput mode
 the drafter on idle ranks. The frozen run is TLT on without the spot trainer: its drafter stays the
 cold-start one (in-domain, not random), so the acceptance ratio online / frozen is what training on idle
 ranks adds.
+Online against frozen at equal draws: the two arms sample the same distribution but not the same responses, and a
+step's time moves with what it drew more than by the 1% a drafter comparison asks for, so beside the plain ratio
+the bench fits every step of every run with the step's prompts, the repeat and the draws held fixed
+(``bench/equal_samples.py``) and prints the seconds a step the online arm adds, phase by phase, with its SE.
 With ``--repeats R`` every arm runs R times, in an order reversed every other repeat (ABBA), so a machine
 that drifts slower or faster during the benchmark weighs on every arm alike; times are summed over the
 repeats and each repeat's ratio is printed too. Prints the step-time ratio (total and per phase), and the
@@ -60,6 +65,7 @@ import tempfile
 from pathlib import Path
 
 CONFIG = "tiny"  # tlt train's default; the cold-start drafter is made under the same config
+BENCH_FILE = "bench.json"  # under --keep's directory: what --reprint reads beside the runs
 PHASES = ("rollout_seconds", "logprob_seconds", "update_seconds", "sync_seconds", "step_seconds")
 
 
@@ -132,8 +138,13 @@ def main() -> None:
     parser.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                         help="one more TLT-on arm: a name, then its overrides on top of TLT on's, e.g. --variant "
                              "goodput speculation.policy=goodput (repeatable; put the shared overrides after --)")
+    parser.add_argument("--reprint", type=Path, default=None, metavar="DIR",
+                        help="run nothing: print a finished bench's figures again from the directory it kept "
+                             "(--keep), with what the bench prints now")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = parser.parse_args()
+    if args.reprint is not None:
+        return _reprint(args.reprint)
     if args.repeats < 1 or args.steps < 2:
         parser.error("--repeats must be >= 1 and --steps >= 2 (step 1 is left out of the times)")
     variants = {name: extra for name, *extra in args.variant}
@@ -188,6 +199,10 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         root.mkdir(parents=True, exist_ok=True)
+        # What --reprint needs beside the runs' summaries: the starts' own times and which arms are variants.
+        (root / BENCH_FILE).write_text(json.dumps({"start": args.start, "start_seconds": start_seconds,
+                                                   "cold_start_seconds": cold_start_seconds,
+                                                   "variants": list(variants)}, indent=1))
         for repeat in range(args.repeats):
             # Every repeat draws other samples, the same in every arm where a seed fixes them: TLT off's draws
             # are fixed by the seed, TLT on's are not (the engine's RNG), so one seed for all repeats would
@@ -196,23 +211,50 @@ def main() -> None:
             for arm in (list(arms) if repeat % 2 == 0 else list(arms)[::-1]):  # "on" runs before "serial" first
                 extra = [f"drafter.serial_tokens={_serial_tokens(runs['on'][-1])}"] if arm == "serial" else []
                 runs[arm].append(_run(root / f"{arm}-{repeat + 1}", arms[arm] + draws + extra))
-    half = args.steps // 2
+    _print_all(runs, list(variants), cold_start_seconds, start_seconds, args.start)
+
+
+def _reprint(root: Path) -> None:
+    """The printout of a finished bench again, from the run directories it kept (``--keep``), with the figures
+    added since it ran: ``root/{arm}-{repeat}/summary.json``, and ``root/bench.json`` where it wrote one."""
+    found = sorted(root.glob("*-*/summary.json"))
+    if not found:
+        raise SystemExit(f"--reprint: no ARM-REPEAT/summary.json under {root} (a directory kept with --keep)")
+    runs: dict[str, list[list[dict]]] = {}
+    for path in sorted(found, key=lambda p: (p.parent.name.rpartition("-")[0], int(p.parent.name.rpartition("-")[2]))):
+        runs.setdefault(path.parent.name.rpartition("-")[0], []).append(json.loads(path.read_text()))
+    if len({len(repeats) for repeats in runs.values()}) != 1:
+        raise SystemExit(f"--reprint: the arms under {root} ran different numbers of repeats "
+                         f"({ {arm: len(r) for arm, r in runs.items()} }): an interrupted bench")
+    meta = json.loads((root / BENCH_FILE).read_text()) if (root / BENCH_FILE).exists() else {}
+    order = {"off": 0, "on": 1, "frozen": 2, "cold": 3, "serial": 4}  # the bench's own order; variants after
+    runs = dict(sorted(runs.items(), key=lambda item: order.get(item[0], len(order))))
+    _print_all(runs, [arm for arm in runs if arm not in order], meta.get("cold_start_seconds", 0.0),
+               meta.get("start_seconds", 0.0), meta.get("start", "cold"))
+
+
+def _print_all(runs: dict[str, list[list[dict]]], variants: list[str], cold_start_seconds: float,
+               start_seconds: float, start: str) -> None:
+    steps = len(next(iter(runs.values()))[0])
+    half = steps // 2
     if "off" in runs:
-        _print_against_off(runs, args, half)
-    if args.frozen:
+        _print_against_off(runs, len(runs["off"]), steps, half)
+    if "frozen" in runs:
         _print_frozen_baseline(runs, half)
+        for arm in [a for a in runs if a not in ("off", "frozen", "cold")]:
+            _print_at_equal_draws(runs, "frozen", arm)
     for name in variants:
         _print_variant(runs, name)
     _print_arms(runs, half)
     _print_quality(runs)
     if "cold" in runs:
-        _print_weak_start(runs, cold_start_seconds, start_seconds, args.start)
+        _print_weak_start(runs, cold_start_seconds, start_seconds, start)
     if "off" in runs:
         total = _seconds(runs, "off", "step_seconds") / _seconds(runs, "on", "step_seconds")
-        print(f"end-to-end step time, TLT off / on over steps 2-{args.steps}: {total:.3f}x")
+        print(f"end-to-end step time, TLT off / on over steps 2-{steps}: {total:.3f}x")
 
 
-def _print_against_off(runs: dict[str, list[list[dict]]], args, half: int) -> None:
+def _print_against_off(runs: dict[str, list[list[dict]]], repeats: int, steps: int, half: int) -> None:
     """TLT on (and frozen) against TLT off: phase times, per-repeat step ratios, reward and accuracy curves."""
     def seconds(arm: str, key: str, repeat: int | None = None) -> float:
         return _seconds(runs, arm, key, repeat)
@@ -224,28 +266,28 @@ def _print_against_off(runs: dict[str, list[list[dict]]], args, half: int) -> No
             c = seconds("frozen", key)
             line += f"   frozen {c:8.2f}s  speedup {a / c:5.2f}x"
         print(line)
-    if args.repeats > 1:
+    if repeats > 1:
         ratios = _repeat_ratios(runs, "off", "on", "step_seconds")
         print("  step time TLT off / on per repeat: " + ", ".join(f"{r:.3f}x" for r in ratios) +
               f"; mean {statistics.fmean(ratios):.3f}x (SE {statistics.stdev(ratios) / len(ratios) ** 0.5:.3f})")
     off, on = _mean_records(runs["off"]), _mean_records(runs["on"])
     rollout_share = seconds("off", "rollout_seconds") / seconds("off", "step_seconds")
     print(f"  rollout share of a TLT-off step: {rollout_share:.1%}")
-    print(f"  step   reward off / on    accuracy off / on    acceptance (TLT on), means over {args.repeats} repeat(s)")
-    chunk = max(1, args.steps // 8)
-    for start in range(0, args.steps, chunk):
-        end = min(start + chunk, args.steps)
+    print(f"  step   reward off / on    accuracy off / on    acceptance (TLT on), means over {repeats} repeat(s)")
+    chunk = max(1, steps // 8)
+    for start in range(0, steps, chunk):
+        end = min(start + chunk, steps)
         accept = [r.get("spec/mean_acceptance_length", float("nan")) for r in on[start:end]]
         print(f"  {start + 1:3d}-{end:<3d} {_window_mean(off, 'reward_mean', start, end):.3f} / "
               f"{_window_mean(on, 'reward_mean', start, end):.3f}      "
               f"{_window_mean(off, 'accuracy', start, end):.3f} / {_window_mean(on, 'accuracy', start, end):.3f}"
               f"          {statistics.fmean(accept):.2f}")
-    print(f"  last {args.steps - half} steps: reward off {_window_mean(off, 'reward_mean', half, args.steps):.3f}, "
-          f"on {_window_mean(on, 'reward_mean', half, args.steps):.3f}" + (
+    print(f"  last {steps - half} steps: reward off {_window_mean(off, 'reward_mean', half, steps):.3f}, "
+          f"on {_window_mean(on, 'reward_mean', half, steps):.3f}" + (
               f"; reward std over steps (off, repeat 1) {statistics.stdev(r['reward_mean'] for r in off_tail):.3f}"
               if len(off_tail := runs["off"][0][half:]) > 1 else ""))
-    if args.repeats > 1:  # paired: each repeat's TLT on against its TLT off, on the same prompts
-        gaps = [_window_mean(b, "reward_mean", half, args.steps) - _window_mean(a, "reward_mean", half, args.steps)
+    if repeats > 1:  # paired: each repeat's TLT on against its TLT off, on the same prompts
+        gaps = [_window_mean(b, "reward_mean", half, steps) - _window_mean(a, "reward_mean", half, steps)
                 for a, b in zip(runs["off"], runs["on"])]
         print(f"  reward on - off over those steps, per repeat: mean {statistics.fmean(gaps):+.3f} "
               f"(SE {statistics.stdev(gaps) / len(gaps) ** 0.5:.3f})")
@@ -266,6 +308,33 @@ def _print_frozen_baseline(runs: dict[str, list[list[dict]]], half: int) -> None
     print(f"  step time TLT off / frozen drafter: "
           f"{_seconds(runs, 'off', 'step_seconds') / _seconds(runs, 'frozen', 'step_seconds'):.3f}x; rollout "
           f"{_seconds(runs, 'off', 'rollout_seconds') / _seconds(runs, 'frozen', 'rollout_seconds'):.3f}x")
+
+
+def _print_at_equal_draws(runs: dict[str, list[list[dict]]], base: str, arm: str) -> None:
+    """``arm`` against ``base`` at equal draws (``bench/equal_samples.py``), phase by phase: base / arm with the step's
+    prompts, the repeat and its draws held fixed, and the same at the runs' own machine speed, fitted repeat by
+    repeat (mean and SE over repeats: the runs' own noise in it). Beside it what the spot trainer cost the
+    generating rank, as it measured it in the run (``drafter/spot_rollout_cost``)."""
+    from equal_samples import PHASE_COVARIATES, arm_effect, mean_ratio, repeat_effects
+
+    print(f"  {arm} against {base} at equal draws ({base}'s time / {arm}'s; seconds {arm} adds a step):")
+    for phase in PHASE_COVARIATES:
+        try:
+            pooled = arm_effect(runs[base], runs[arm], phase)
+            at_speed = repeat_effects(runs[base], runs[arm], phase, at_machine_speed=True)
+        except ValueError as err:  # too few steps or repeats for the effects: say so, print the rest
+            print(f"    {phase}: {err}")
+            return
+        mean, se = mean_ratio(at_speed)
+        print(f"    {phase.removesuffix('_seconds'):8s} {pooled.ratio:.3f}x ({pooled.seconds:+.3f} s, SE {pooled.standard_error:.3f}"
+              f" over {pooled.rows} steps); at each run's machine speed, per repeat "
+              + ", ".join(f"{e.ratio:.3f}x" for e in at_speed) + f": mean {mean:.3f}x"
+              + (f" (SE {se:.3f})" if se is not None else ""))
+    costs = [r["drafter/spot_rollout_cost"] for records in runs[arm] for r in records[1:]
+             if r.get("drafter/spot_rollout_cost") is not None]
+    if costs:
+        print(f"  {arm}: spot training's cost to the generating rank, as measured in the run: mean {statistics.fmean(costs):.2%}"
+              f", most {max(costs):.2%} of its generating time ({len(costs)} steps with an estimate)")
 
 
 def _serial_tokens(tlt_on: list[dict]) -> int:
@@ -368,6 +437,8 @@ def _print_quality(runs: dict[str, list[list[dict]]]) -> None:
             cold = statistics.fmean(
                 _present_mean(r, "drafter/quality/cold_start_expected_acceptance_length", start, end) for r in runs[arm])
             cells.append(f"{serving:5.2f} ({cold:5.2f})")
+        if all("nan" in cell for cell in cells):  # no step of the window measured (drafter.quality_every)
+            continue
         print(f"  {start + 1:3d}-{end:<3d} " + "  ".join(cells))
     last = max(0, steps - 20)
     for online, frozen in (("on", "frozen"), ("on", "cold")):
@@ -386,7 +457,9 @@ def _print_quality(runs: dict[str, list[list[dict]]]) -> None:
         print(f"  {arm}: serving / cold start on the same held-out rows, steps {last + 1}-{steps}: "
               f"{statistics.fmean(ratios):.3f}x")
     if "on" in arms:
-        pushes = [(r[-1].get("drafter/pushes", 0), r[-1].get("drafter/pushes_declined", 0)) for r in runs["on"]]
+        # the counts of the last step that measured (drafter.quality_every: not every step decides a push)
+        pushes = [next(((r["drafter/pushes"], r["drafter/pushes_declined"]) for r in reversed(records)
+                        if "drafter/pushes" in r), (0, 0)) for records in runs["on"]]
         print("  TLT on's push gate, per repeat (pushed, declined): " + ", ".join(f"{p}/{d}" for p, d in pushes))
 
 
