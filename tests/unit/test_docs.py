@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location("make_config_page", REPO / "docs" / "make_config_page.py")
-make_config_page = importlib.util.module_from_spec(_SPEC)  # docs/ is not a package
-_SPEC.loader.exec_module(make_config_page)
+from script_modules import REPO, load_script
+
+make_config_page = load_script("docs/make_config_page.py", "make_config_page")  # docs/ is not a package
 
 MARKDOWN_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 

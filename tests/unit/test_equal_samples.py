@@ -1,22 +1,16 @@
 """bench/equal_samples.py: an arm's seconds a step over another's at equal draws, on synthetic runs whose true
 effect is known, where the draws alone would rank the arms the wrong way."""
 
-import importlib.util
 import random
 import sys
-from pathlib import Path
 
 import pytest
 
-_MODULE = Path(__file__).resolve().parents[2] / "bench" / "equal_samples.py"
+from script_modules import REPO, load_script
 
 
 def _equal_samples():
-    spec = importlib.util.spec_from_file_location("equal_samples_bench", _MODULE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # before running it: its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/equal_samples.py", "equal_samples_bench")
 
 
 def _runs(effect: float, *, longer: float, repeats: int = 3, steps: int = 20, noise: float = 0.05, seed: int = 0):
@@ -112,7 +106,7 @@ def test_the_bench_reprints_a_kept_directory_with_the_fit_at_equal_draws(tmp_pat
                           "drafter/tokens_trained": [100, 0] if arm == "on" else [0, 0]})
             (tmp_path / f"{arm}-{repeat}").mkdir()
             (tmp_path / f"{arm}-{repeat}" / "summary.json").write_text(json.dumps(records))
-    bench = Path(__file__).resolve().parents[2] / "bench" / "tlt_end_to_end.py"
+    bench = REPO / "bench" / "tlt_end_to_end.py"
     done = subprocess.run([sys.executable, str(bench), "--reprint", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "on against frozen at equal draws" in done.stdout

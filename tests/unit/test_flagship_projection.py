@@ -1,19 +1,14 @@
 """The flagship projection's model (bench/flagship_projection.py) on deterministic inputs."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "flagship_projection.py"
-_SPEC = importlib.util.spec_from_file_location("flagship_projection", _PATH)
-fp = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = fp  # before running it: its dataclasses look their module up
-_SPEC.loader.exec_module(fp)
+from script_modules import load_script
+
+fp = load_script("bench/flagship_projection.py", "flagship_projection")
 
 
 def _flat(batch: int, depth: int) -> float:

@@ -2,10 +2,7 @@
 ``drafter.precision=auto`` goes by: the shipped rows, a bench report turned into rows and merged, and the bench
 itself (bench/drafter_precision.py) rehearsed on this CPU at the tiny Llama's dims, its compiled arm included."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -22,16 +19,10 @@ from megatron_tlt.drafter.fp8_measured import (
     write_rows,
 )
 from megatron_tlt.drafter.precision import FP8_BACKENDS
-
-_BENCH = Path(__file__).resolve().parents[2] / "bench" / "drafter_precision.py"
-
+from script_modules import load_script
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("drafter_precision_bench", _BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # before running it: its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/drafter_precision.py", "drafter_precision_bench")
 
 
 def _arm(backend, compile_mode, tokens_per_s, **more):
