@@ -475,11 +475,13 @@ def _print_weak_start(runs: dict[str, list[list[dict]]], cold_start_seconds: flo
         for repeat, (online, cold) in enumerate(zip(runs[arm], runs["cold"]), start=1):
             target = _present_mean(cold, key, 0, len(cold))
             reached = next((r["step"] for r in online if r.get(key) is not None and r[key] >= target), None)
+            measured = [r[key] for r in online if r.get(key) is not None]  # not every step measures
+            last = measured[-1] if measured else float("nan")
             tlt_time = sum(r["step_seconds"] for r in online) + start_seconds
             cold_time = sum(r["step_seconds"] for r in cold) + cold_start_seconds
             print(f"  {arm}, repeat {repeat}: from the {start} start ({online[0].get(key, float('nan')):.2f} at step 1) "
                   f"it reached the cold start's held-out acceptance ({target:.2f}) at step "
-                  f"{reached if reached is not None else 'never'} (last {online[-1].get(key, float('nan')):.2f}); time "
+                  f"{reached if reached is not None else 'never'} (last measured {last:.2f}); time "
                   f"to step {len(online)}: {tlt_time:.0f} s ({start_seconds:.0f} s of it making the start), cold "
                   f"start + frozen {cold_time:.0f} s ({cold_start_seconds:.0f} s of it the cold start): "
                   f"{cold_time / tlt_time:.3f}x")
