@@ -3,6 +3,7 @@
 itself (bench/drafter_precision.py) rehearsed on this CPU at the tiny Llama's dims, its compiled arm included."""
 
 import json
+import sys
 
 import pytest
 
