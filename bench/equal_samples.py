@@ -34,6 +34,7 @@ Pure: records in, numbers out (numpy only).
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Sequence
 
 import numpy as np
@@ -148,8 +149,5 @@ def repeat_effects(base: Sequence[Sequence[dict]], arm: Sequence[Sequence[dict]]
 def mean_ratio(effects: Sequence[ArmEffect]) -> tuple[float, float | None]:
     """The mean of the repeats' ratios (base / arm) and its standard error over repeats (None from one repeat)."""
     ratios = [e.ratio for e in effects]
-    mean = sum(ratios) / len(ratios)
-    if len(ratios) < 2:
-        return mean, None
-    variance = sum((r - mean) ** 2 for r in ratios) / (len(ratios) - 1)
-    return mean, (variance / len(ratios)) ** 0.5
+    se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None
+    return statistics.fmean(ratios), se

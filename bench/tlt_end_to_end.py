@@ -217,12 +217,16 @@ def main() -> None:
 def _reprint(root: Path) -> None:
     """The printout of a finished bench again, from the run directories it kept (``--keep``), with the figures
     added since it ran: ``root/{arm}-{repeat}/summary.json``, and ``root/bench.json`` where it wrote one."""
-    found = sorted(root.glob("*-*/summary.json"))
+    found = {}  # (arm, repeat) -> its summary, from the directories named ARM-REPEAT
+    for path in root.glob("*-*/summary.json"):
+        arm, _, repeat = path.parent.name.rpartition("-")
+        if repeat.isdigit():
+            found[arm, int(repeat)] = path
     if not found:
         raise SystemExit(f"--reprint: no ARM-REPEAT/summary.json under {root} (a directory kept with --keep)")
     runs: dict[str, list[list[dict]]] = {}
-    for path in sorted(found, key=lambda p: (p.parent.name.rpartition("-")[0], int(p.parent.name.rpartition("-")[2]))):
-        runs.setdefault(path.parent.name.rpartition("-")[0], []).append(json.loads(path.read_text()))
+    for (arm, _), path in sorted(found.items()):
+        runs.setdefault(arm, []).append(json.loads(path.read_text()))
     if len({len(repeats) for repeats in runs.values()}) != 1:
         raise SystemExit(f"--reprint: the arms under {root} ran different numbers of repeats "
                          f"({ {arm: len(r) for arm, r in runs.items()} }): an interrupted bench")
