@@ -299,6 +299,16 @@ class RolloutConfig:
     draws as TLT on is. Held-out evaluation keeps trainer.seed's draws, comparable across runs."""
     engine: RolloutEngineConfig = dataclasses.field(default_factory=RolloutEngineConfig)
     """The colocated vLLM engine of each rank."""
+    agreement_bound: float = 1.05
+    """Bound on the engine's agreement with the trainer, as NeMo-RL's multiplicative probability error (the mean
+    of exp|log p_train - log p_rollout| over the step's response tokens; 1.0 = exact, ~1.0000 on CPU in fp32): a
+    step past it is said on the console; a token past it counts in ``rollout/past_bound_share``
+    (``rl/rollout_agreement.py``)."""
+    agreement_stop_level: float = 1.5
+    """A step whose probability error is past this is a wrong engine, not numerics (a weight the engine never got
+    read 10-1000x): ``agreement_stop_after_steps`` such steps in a row stop the run."""
+    agreement_stop_after_steps: int = 2
+    """Steps in a row past ``agreement_stop_level`` that stop the run with what disagreed; 0: warn only."""
 
     def __post_init__(self) -> None:
         _require_at_least_one("rollout", samples_per_prompt=self.samples_per_prompt,
@@ -306,6 +316,10 @@ class RolloutConfig:
         if not 0.0 < self.top_p <= 1.0 or self.temperature < 0.0:
             raise ConfigError(f"rollout.top_p must be in (0, 1] and temperature >= 0, got {self.top_p}, "
                               f"{self.temperature}")
+        if not 1.0 <= self.agreement_bound <= self.agreement_stop_level or self.agreement_stop_after_steps < 0:
+            raise ConfigError(f"rollout.agreement_bound must be >= 1 and <= agreement_stop_level, and "
+                              f"agreement_stop_after_steps >= 0 (0: warn only), got {self.agreement_bound}, "
+                              f"{self.agreement_stop_level}, {self.agreement_stop_after_steps}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -324,6 +338,10 @@ class AlgorithmConfig:
     """Weight of the KL penalty to a frozen reference policy (0 disables the reference)."""
     filter_equal_reward_groups: bool = False
     """Drop prompt groups whose samples all got the same reward (no learning signal)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling of the rollout engine's mismatch: each token's policy-gradient term weighed by
+    min(p_train / p_rollout, tis_cap) (VeRL's rollout correction, slime's --use-tis; 2.0 is theirs). For bf16 or
+    FP8 rollouts on a GPU; None (off) on CPU, where the engine agrees with the trainer to ~1e-6."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
@@ -331,6 +349,8 @@ class AlgorithmConfig:
                               f"{self.clip_high}")
         if self.advantage not in ADVANTAGES:
             raise ConfigError(f"algorithm.advantage must be one of {', '.join(ADVANTAGES)}, got '{self.advantage}'")
+        if self.tis_cap is not None and self.tis_cap < 1.0:
+            raise ConfigError(f"algorithm.tis_cap must be >= 1 (or null: off), got {self.tis_cap}")
         if self.loss_aggregation not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
             raise ConfigError(f"algorithm.loss_aggregation must be token_mean, seq_mean_token_mean or "
                               f"seq_mean_token_sum, got '{self.loss_aggregation}'")
@@ -693,6 +713,9 @@ class TrainerConfig:
     """Most recent checkpoints kept; older ones are deleted after a new one is complete."""
     eval_every: int = 10
     """Held-out evaluation every N steps, plus before the first and after the last (0: those two only)."""
+    log_samples: int = 4
+    """Prompt / response / reward triples of each step written to RUN_DIR/samples.jsonl and the loggers' text
+    (one response per prompt of rank 0's share first); 0: none."""
     capture_hidden_states: bool = False
     """Keep the log-prob pass's final hidden states (the drafter's training features)."""
     run_dir: str | None = None
@@ -711,6 +734,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _require_at_least_one("trainer", steps=self.steps, prompts_per_step=self.prompts_per_step,
                               micro_batch_size=self.micro_batch_size, updates_per_step=self.updates_per_step)
+        if self.log_samples < 0:
+            raise ConfigError(f"trainer.log_samples must be >= 0 (0: none), got {self.log_samples}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ConfigError(f"trainer.micro_batch_tokens must be >= 1 or null, got {self.micro_batch_tokens}")
         if self.recompute not in RECOMPUTES:

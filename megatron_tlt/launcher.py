@@ -143,8 +143,21 @@ def _take_cores(threads: int, local: int | None = None, ranks: int | None = None
     _pin_to_own_cores(threads, local, ranks)
 
 
+def _exit_on_sigterm() -> None:
+    """When one rank fails, torch's agent stops the others with SIGTERM, whose default action ends a process at
+    once: no ``finally``, no atexit. The multiprocessing Manager that Megatron's checkpoint save starts then
+    outlives its rank, and holds the launcher's stdout and stderr open (a caller reading them waits forever).
+    As SystemExit, the rank unwinds and its children are shut down with it."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def _run_rank(fn: Callable, threads: int, logs: RankLogSettings, environment: dict[str, str], args: tuple) -> Any:
     import gc
+
+    _exit_on_sigterm()
 
     # What the fork server imported lives as long as the rank: out of the collector's way, vLLM's
     # gc.collect() calls while an engine starts and stops take ~0.1 s instead of ~0.6 s each.

@@ -210,18 +210,42 @@ def ppo_clip_token_terms(
     return TokenTerms(loss_bt=loss_bt, valid_bt=valid_bt, stats_bt=stats_bt)
 
 
+def truncated_importance_weights(old_logprobs_bt: Tensor, rollout_logprobs_bt: Tensor, mask_bt: Tensor, *,
+                                 cap: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance sampling (TIS) of the rollout engine's mismatch, per token [b, t], detached.
+
+    The engine samples from its own numerics (bf16, FP8, other kernels), not exactly the policy the trainer
+    computes: with ``w = p_train(token) / p_rollout(token) = exp(old_logprobs - rollout_logprobs)``, the policy
+    gradient weighted by ``min(w, cap)`` corrects the off-policy gap at a bounded variance (VeRL's rollout
+    correction, slime's ``--use-tis``). Returns the weights (1 at invalid positions) and their per-token
+    diagnostics ``tis_weight`` (the weight used) and ``tis_truncated`` (1 where the cap cut it).
+    """
+    if cap < 1.0:
+        raise ValueError(f"the TIS cap must be >= 1 (1 keeps no token's weight above the rollout's), got {cap}")
+    valid_bt = _valid_mask(mask_bt, old_logprobs_bt, "old_logprobs_bt")
+    _check_same_shape("rollout_logprobs_bt", rollout_logprobs_bt, old_logprobs_bt)
+    log_w_bt = _masked(old_logprobs_bt.detach().float() - rollout_logprobs_bt.detach().float(), valid_bt)
+    w_bt = torch.exp(log_w_bt.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO))
+    weights_bt = torch.where(valid_bt, w_bt.clamp(max=cap), 1.0)
+    return weights_bt, {"tis_weight": weights_bt, "tis_truncated": (valid_bt & (w_bt > cap)).float()}
+
+
 def policy_token_terms(
     logprobs_bt: Tensor, old_logprobs_bt: Tensor, advantages_bt: Tensor, mask_bt: Tensor, *,
     ref_logprobs_bt: Tensor | None = None, kl_coef: float = 0.0, kl_kind: KLKind = "k3",
-    clip_low: float = 0.2, clip_high: float = 0.2,
+    clip_low: float = 0.2, clip_high: float = 0.2, importance_weights_bt: Tensor | None = None,
 ) -> TokenTerms:
-    """Per-token ``pg + kl_coef * kl`` with the diagnostics of ``ppo_clip_token_terms`` plus ``pg_loss``
-    and, with a reference, ``kl``. Aggregation is linear, so aggregating these terms equals
-    ``policy_loss_with_kl``; the trainer aggregates them over its whole global batch."""
+    """Per-token ``w * pg + kl_coef * kl`` with the diagnostics of ``ppo_clip_token_terms`` plus ``pg_loss``
+    and, with a reference, ``kl``. ``importance_weights_bt`` (detached; ``truncated_importance_weights``) weighs
+    the policy-gradient term only, as VeRL's rollout correction does; None: 1. Aggregation is linear, so
+    aggregating these terms equals ``policy_loss_with_kl``; the trainer aggregates them over its whole batch."""
     if kl_coef != 0.0 and ref_logprobs_bt is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs_bt; pass the reference log-probs or set kl_coef=0")
     terms = ppo_clip_token_terms(logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt,
                                  clip_low=clip_low, clip_high=clip_high)
+    if importance_weights_bt is not None:
+        _check_same_shape("importance_weights_bt", importance_weights_bt, logprobs_bt)
+        terms = dataclasses.replace(terms, loss_bt=terms.loss_bt * importance_weights_bt.detach().float())
     stats_bt = dict(terms.stats_bt, pg_loss=terms.loss_bt.detach())
     if ref_logprobs_bt is None:
         return dataclasses.replace(terms, stats_bt=stats_bt)

@@ -30,6 +30,8 @@ class Sample:
     response_ids: list[int]
     finish_reason: str
     reward: float
+    rollout_logprobs: list[float] | None = None
+    """log p of each response token under the engine that sampled it (``RolloutResult.logprobs``)."""
 
     @property
     def correct(self) -> bool:
@@ -60,7 +62,8 @@ class ResponseScorer:
 
     def score(self, examples: list[PromptExample], token_ids: list[list[list[int]]],
               finish_reasons: list[list[str]], first_prompt_index: int, stride: int,
-              streamed: StreamedScores | None = None) -> list[Sample]:
+              streamed: StreamedScores | None = None,
+              logprobs: list[list[list[float]]] | None = None) -> list[Sample]:
         """The samples with their rewards: from ``streamed`` (the pool) or scored here; none on an engine's
         non-leading ranks when a pool scores (their leader's pool has them)."""
         if self.reward_pool is not None and streamed is None:
@@ -75,7 +78,8 @@ class ResponseScorer:
                     reward = float(self.reward_fn(self._decode(response), example.ground_truth))
                 samples.append(Sample(prompt_index=first_prompt_index + k * stride, sample_index=j,
                                       prompt_ids=example.prompt_ids, response_ids=list(response),
-                                      finish_reason=reason, reward=reward))
+                                      finish_reason=reason, reward=reward,
+                                      rollout_logprobs=logprobs[k][j] if logprobs is not None else None))
         return samples
 
 

@@ -42,18 +42,18 @@ from megatron_tlt.drafter.serving import QualityReport
 from megatron_tlt.drafter.tlt_drafter import TailReport, TLTDrafter
 from megatron_tlt.model import mcore
 from megatron_tlt.rl.actor import CapturedFeatures, compute_logprobs, features_on_every_stage
-from megatron_tlt.rl import held_out_slice
+from megatron_tlt.rl import held_out_slice, rollout_agreement
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.inputs import curriculum, policy_source
 from megatron_tlt.rl.inputs.data import PromptExample
 from megatron_tlt.rl.held_out_slice import HeldOutSlice
 from megatron_tlt.rl.rank_session import RankSession
 from megatron_tlt.rl.rewards.pool import RankRewardPool, StreamedScores
-from megatron_tlt.rl.run import checkpoint, checkpoint_paths, metric_loggers
+from megatron_tlt.rl.run import checkpoint, checkpoint_paths, metric_loggers, samples_log
 from megatron_tlt.rl.run import run_dir as run_files
 from megatron_tlt.rl.run.step_record import RankStepReport, RewardPoolReport, step_record
 from megatron_tlt.rl.scoring import ResponseScorer, Sample, held_out_accuracy, rollout_seed
-from megatron_tlt.rl.update import PolicySequence, policy_update_step
+from megatron_tlt.rl.update import PolicySequence, agreement_by_forward, policy_update_step
 from megatron_tlt.rl.weight_sync import SyncStats
 from megatron_tlt.timeline.spans import BUSY, IDLE, RankTimeline
 
@@ -107,6 +107,8 @@ class RLTrainer:
                 logger.info("resuming %s from step %d (%s)", run_dir, self.start_step, ckpt)
 
         self._measuring = False  # whether this step measures the drafters on a held-out slice (set per step)
+        self.agreement = rollout_agreement.AgreementMonitor.from_config(config.rollout)
+        self._agreement_fields: dict[str, float] = {}  # the last step's, on every rank (the same figures)
         self.drafter = TLTDrafter.for_run(config, self.arch, run_dir=run_dir, rank=self.rank, world=self.world,
                                           start_step=self.start_step, is_reporter=self.is_reporter)
         self.engine = self.session.open_engine(
@@ -120,6 +122,7 @@ class RLTrainer:
         if self.is_reporter:
             records = [r for r in run_files.read_summary(run_dir) if r["step"] <= self.start_step]
             run_files.truncate_timeline(run_dir, self.start_step)
+            samples_log.truncate(run_dir, self.start_step)
             self.reporter = run_files.RunReporter(
                 run_dir, total_steps=config.trainer.steps, start_step=self.start_step, records=records,
                 loggers=metric_loggers.open_metric_loggers(config, run_dir, start_step=self.start_step))
@@ -189,7 +192,7 @@ class RLTrainer:
         p = self.placement
         with timeline.phase("reward"):
             own = self.scorer.score(mine, result.token_ids, result.finish_reasons, p.index_in_replica,
-                              p.engines_per_replica, streamed) if mine else []
+                                    p.engines_per_replica, streamed, result.logprobs) if mine else []
             if self.mp_size > 1:
                 gathered: list[list[Sample]] = [None] * self.mp_size
                 dist.all_gather_object(gathered, own, group=self.mp_group)
@@ -309,7 +312,8 @@ class RLTrainer:
             sequences.append((i, PolicySequence(
                 token_ids=ids, prompt_len=len(sample.prompt_ids),
                 old_logprobs=None if self._on_policy_update else old[i] if old else placeholder, advantage=advantage,
-                ref_logprobs=(ref[i] if ref else placeholder) if self.reference is not None else None)))
+                ref_logprobs=(ref[i] if ref else placeholder) if self.reference is not None else None,
+                rollout_logprobs=rollout_agreement.label_row(sample, device))))
         capture = self._on_policy_update and self._wants_features(train_drafter)
         metrics: dict[str, list[float]] = {}
         feature_rows = 0
@@ -327,13 +331,23 @@ class RLTrainer:
                                             micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
                                             micro_batch_tokens=t.micro_batch_tokens,
                                             settings=self.config.algorithm, capture_features=capture,
-                                            max_feature_rows=self.config.drafter.buffer_tokens)
+                                            max_feature_rows=self.config.drafter.buffer_tokens,
+                                            agreement_bound=self.config.rollout.agreement_bound)
                 if capture:
                     feature_rows += self._keep_features([seq.token_ids for seq in mini], result.features,
                                                         train_drafter, mini_indices, held_out)
                 for key, value in result.metrics.items():
                     metrics.setdefault(key, []).append(value)
-        return {key: statistics.fmean(values) for key, values in metrics.items()}, feature_rows
+        metrics = {key: statistics.fmean(values) for key, values in metrics.items()}
+        if not metrics.get("agreement_tokens"):  # every group filtered out: the engine is checked all the same
+            checked = [PolicySequence(token_ids=token_ids[i], prompt_len=len(samples[i].prompt_ids), old_logprobs=None,
+                                      advantage=0.0, rollout_logprobs=rollout_agreement.label_row(samples[i], device))
+                       for i in rollout_agreement.spread(len(samples), rollout_agreement.FALLBACK_SEQUENCES)]
+            with timeline.phase("logprob"):
+                metrics |= agreement_by_forward(self.model, checked, vocab_size=self.arch.vocab_size,
+                                                micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                                bound=self.config.rollout.agreement_bound)
+        return metrics, feature_rows
 
     def _sync(self, timeline: RankTimeline) -> SyncStats:
         with timeline.phase("sync"):
@@ -378,9 +392,15 @@ class RLTrainer:
         gathered = [None] * self.world if self.is_reporter else None
         dist.gather_object(report, gathered, dst=0)
         record = None
+        self._agreement_fields = rollout_agreement.summary_fields(update_metrics)
         if self.is_reporter:
-            record = step_record(step + 1, gathered, update_metrics, synced.gb_per_s, time.time() - step_start,
-                                 ranks_per_node=self.session.ranks_per_node)
+            record = step_record(step + 1, gathered, rollout_agreement.without_agreement(update_metrics),
+                                 synced.gb_per_s, time.time() - step_start, ranks_per_node=self.session.ranks_per_node)
+            record.update(self._agreement_fields)
+            if self.config.trainer.log_samples:
+                self.reporter.log_samples(step + 1, samples_log.sample_records(
+                    step + 1, own, lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=False),
+                    self.config.trainer.log_samples))
         if self.drafter is not None:  # backs off where training in the tail slowed the generating ranks
             self.drafter.adapt_duty_cycle(record.get("drafter/spot_rollout_cost") if record else None)
         if not self.is_reporter:
@@ -398,6 +418,7 @@ class RLTrainer:
         return RankStepReport(
             timeline=timeline, rewards=[s.reward for s in own], correct=[s.correct for s in own],
             lengths=[len(s.response_ids) for s in own], truncated=[s.finish_reason == "length" for s in own],
+            sampled_nll=-sum(sum(s.rollout_logprobs) for s in own) if own and own[0].rollout_logprobs else None,
             dropped_groups=dropped_groups if dist.get_rank(self.mp_group) == 0 else 0,
             spec=result.spec if result is not None and leader else None,
             step_depths=result.step_depths if result is not None and leader else [],
@@ -445,6 +466,7 @@ class RLTrainer:
                     outcome[0].update(metrics)
             if self.reporter is not None:
                 self.reporter.log_step(*outcome, refresh_views=self._due(t.save_every, done))
+            self._check_agreement(done)  # after the step is logged: a run it stops keeps its record
             if self._due(t.save_every, done):
                 self._save(done)
         if self.reward_pool is not None:
@@ -453,6 +475,17 @@ class RLTrainer:
             self.reporter.close()
             return self.reporter.records
         return None
+
+    def _check_agreement(self, step: int) -> None:
+        """Say a step where the engine and the trainer disagree past the bound; stop a run whose engine is not the
+        policy (every rank raises at once: they hold the same all-reduced figures)."""
+        try:
+            line = self.agreement.check(step, self._agreement_fields)
+        except rollout_agreement.RolloutMismatchError:
+            dist.barrier()  # every rank stops here, after rank 0 logged the step: none is killed mid-report
+            raise
+        if line is not None and self.is_reporter:  # a warning reaches the console from rank 0's log: said once
+            logger.warning(line)
 
     def _log_eval(self, step: int, metrics: dict[str, float] | None) -> None:
         if self.reporter is not None and metrics:

@@ -190,6 +190,40 @@ def _assert_same_policy_results(got: list[dict], want: list[dict]) -> None:
         assert a["update/pg_loss"] == pytest.approx(b["update/pg_loss"], abs=1e-6), a["step"]
 
 
+def test_the_engine_agrees_with_the_trainer_every_step_and_samples_are_written_once_per_step(killed_run, spot_run,
+                                                                                            tp2_run):
+    """A correct engine on CPU in fp32 reads ~0 mismatch: without speculation (2 engines), with BEG-MAB and a drafter,
+    and on one engine over 2 ranks drafting from a zeroed drafter (the log-probs are the target's)."""
+    for run_dir in (killed_run, spot_run, tp2_run[0]):
+        for record in _summary(run_dir):
+            assert record["rollout/agreement_tokens"] > 0, run_dir
+            assert abs(record["rollout/prob_error"] - 1.0) < 1e-4 and record["rollout/logprob_diff_max"] < 1e-3
+            assert record["rollout/past_bound_share"] == 0.0 and 0.0 <= record["rollout/logprob_kl"] < 1e-6
+            assert 0.0 < record["rollout/token_entropy"] < math.log(512)
+    samples = [json.loads(line) for line in (killed_run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4  # the resume dropped none twice
+    assert all(s["prompt"].startswith("<s>Q: ") and s["response_tokens"] == len(s["response_ids"]) for s in samples)
+
+
+def test_an_engine_with_one_tensor_wrong_trips_the_alarm_then_stops_the_run(env, tmp_path):
+    """The engine gets the final norm scaled by 3 at every sync: step 1 says so, step 2 (the second in a row far
+    past the stop level) stops the run with one line, and both steps' records are in summary.json."""
+    run_dir = tmp_path / "wrong-engine"
+    corrupted = dict(env, TLT_TEST_CORRUPT_SYNC="model.norm.weight:3.0",
+                     PYTHONPATH=os.pathsep.join([str(HELPERS / "corrupt_sync"), env["PYTHONPATH"]]))
+    result = subprocess.run(["tlt", "train", *SMALL, "trainer.steps=4", "rollout.agreement_stop_after_steps=2",
+                             f"trainer.run_dir={run_dir}"], env=corrupted, capture_output=True, text=True,
+                            timeout=HANG_GUARD_S)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip().startswith("tlt: error")]
+    assert len(lines) == 1 and "step 2: the rollout engine does not sample the policy being trained, for 2 step(s) " \
+        "in a row: probability error" in lines[0], result.stderr[-3000:]
+    records = _summary(run_dir)
+    assert [r["step"] for r in records] == [1, 2] and all(r["rollout/prob_error"] > 1.5 for r in records)
+    warnings = [line for line in result.stderr.splitlines() if "rollout: engine and trainer disagree" in line]
+    assert len(warnings) == 1 and "step 1 rollout: engine and trainer disagree, far past the stop level" in warnings[0]
+
+
 def test_killed_run_resumes_and_matches_the_uninterrupted_run(killed_run, spot_run_with_a_fault):
     """The spot-trainer run has the same settings and ran uninterrupted; its drafter work leaves the policy
     alone (the next test, on the steps before the kill): so the steps after the resume must match it."""
@@ -328,8 +362,8 @@ def test_spot_training_at_pipeline_parallel_2_feeds_the_drafter_on_both_stages(e
 @pytest.fixture(scope="module")
 def hf_run(env, tmp_path_factory):
     """One rank on an HF policy and a VeRL-style jsonl with two bad rows, with the loss options no other run
-    uses: algorithm.kl_coef, trainer.updates_per_step=2, algorithm.filter_equal_reward_groups and
-    algorithm.advantage=rloo together. The reward (helpers/group_rewards.py) gives every other group equal
+    uses: algorithm.kl_coef, trainer.updates_per_step=2, algorithm.filter_equal_reward_groups,
+    algorithm.advantage=rloo and TIS (algorithm.tis_cap) together. The reward (helpers/group_rewards.py) gives every other group equal
     rewards and logs every reward; its other groups get distinct rewards of a tiny scale (about 1e-3), which
     RLOO keeps (advantage = reward minus the mean of the others) and GRPO would normalise to about 1.
     Returns (run directory, stderr, the reward log directory)."""
@@ -357,7 +391,8 @@ def hf_run(env, tmp_path_factory):
                     "trainer.eval_every=0",
                     "data.reward=group_rewards:every_other_group_equal", "trainer.steps=2", "trainer.save_every=1",
                     "algorithm.kl_coef=0.05", "trainer.updates_per_step=2", "algorithm.filter_equal_reward_groups=true",
-                    "algorithm.advantage=rloo", "trainer.micro_batch_size=4", *TLT_OFF, f"trainer.run_dir={run_dir}")
+                    "algorithm.advantage=rloo", "algorithm.tis_cap=2.0", "trainer.micro_batch_size=4", *TLT_OFF,
+                    f"trainer.run_dir={run_dir}")
     return run_dir, result.stderr, reward_log
 
 
@@ -388,6 +423,12 @@ def test_kl_several_updates_per_step_equal_reward_filter_and_rloo_in_one_run(hf_
     # already runs on a policy one optimizer step away from it.
     for record in records:
         assert math.isfinite(record["update/kl"]) and record["update/kl"] > 0
+
+    # The log-prob pass's old log-probs agree with the engine's (CPU, fp32), so TIS weighs every token ~1 and
+    # truncates none: with a correct engine it changes nothing.
+    for record in records:
+        assert abs(record["rollout/prob_error"] - 1.0) < 1e-4 and record["rollout/agreement_tokens"] > 0
+        assert record["update/tis_weight"] == pytest.approx(1.0, abs=1e-4) and record["update/tis_truncated"] == 0.0
 
     # Two optimizer steps per RL step: Adam's step count grows by 2 per checkpoint, and the lr warm-up
     # (5 steps to optimizer.lr, from the tiny config) advances per optimizer step: RL step s runs optimizer

@@ -44,6 +44,7 @@ def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks:
             engine.load_weights(fixture["target"].items())
             sampled = engine.generate([PROMPT], SamplingSettings(n=NUM_SAMPLES, temperature=1.0, max_tokens=4))
             results["samples"] = np.array(sampled.token_ids[0])
+            results["sampled_logprobs"] = np.array(sampled.logprobs[0])
             results["sampled_acceptance_rate"] = sampled.spec.acceptance_rate
             if full_checks:
                 prompts = [[i, i + 1] for i in range(1, 9)]
@@ -116,6 +117,16 @@ def test_sampling_with_speculation_matches_the_targets_distribution(fixed_engine
     # the default: draft tokens drawn from the drafter's distribution, verified against the target's
     p_values = goodness_of_fit_p_values(fixed_engine_results["samples"], exact)
     assert min(p_values) > SIGNIFICANCE, p_values
+
+
+def test_the_logprob_returned_for_a_token_drafted_and_accepted_is_the_targets_own(fixed_engine_results, exact):
+    """The trainer checks the engine by these (``rl/rollout_agreement.py``): under speculation they must be the
+    target's log-probs of the tokens sampled, not the drafter's, whose distribution differs."""
+    samples = fixed_engine_results["samples"]
+    previous = np.concatenate([np.full((len(samples), 1), PROMPT[-1]), samples[:, :-1]], axis=1)
+    target = np.log(exact.numpy()[previous, samples])
+    assert fixed_engine_results["sampled_acceptance_rate"] > 0.3  # most tokens came from accepted drafts
+    assert np.abs(fixed_engine_results["sampled_logprobs"] - target).max() < 1e-4
 
 
 @pytest.fixture(scope="module")

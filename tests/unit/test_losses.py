@@ -269,3 +269,31 @@ def test_policy_token_terms_aggregate_to_policy_loss_with_kl():
         got = aggregate_loss(terms.loss_bt, terms.valid_bt, aggregation)
         assert got.item() == pytest.approx(want.item(), rel=1e-6)
         assert set(terms.stats_bt) >= {"pg_loss", "kl", "clip_fraction", "ratio_mean"}
+
+
+def test_tis_weights_are_the_probability_ratio_truncated_at_the_cap_and_one_where_masked():
+    from megatron_tlt.rl.losses import truncated_importance_weights
+
+    # p_train / p_rollout per token: e^ln2 = 2 (kept under a cap of 3), e^(2 ln 2) = 4 (cut to 3), e^-ln2 = 0.5
+    old = torch.tensor([[LN2, 2 * LN2, -LN2, 7.0]])
+    rollout = torch.zeros(1, 4)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    weights, stats = truncated_importance_weights(old, rollout, mask, cap=3.0)
+    assert weights[0].tolist() == pytest.approx([2.0, 3.0, 0.5, 1.0])
+    assert stats["tis_truncated"].tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        truncated_importance_weights(old, rollout, mask, cap=0.5)
+
+
+def test_tis_weighs_the_policy_gradient_term_per_token_and_not_the_kl():
+    # One token, ratio 1 (on-policy), advantage 1: pg = -1 per token; weights 2 and 0.5 scale it to -2 and -0.5,
+    # and its gradient d pg / d logprob = -w. The KL term (k1 = logprob - ref) keeps its own weight, 1.
+    logprobs = torch.zeros(1, 2, requires_grad=True)
+    weights = torch.tensor([[2.0, 0.5]])
+    terms = policy_token_terms(logprobs, logprobs.detach(), torch.ones(1, 1), torch.ones(1, 2),
+                               ref_logprobs_bt=torch.full((1, 2), -1.0), kl_coef=0.5, kl_kind="k1",
+                               importance_weights_bt=weights)
+    assert terms.stats_bt["pg_loss"].tolist() == [[-2.0, -0.5]]
+    assert terms.loss_bt[0].tolist() == pytest.approx([-2.0 + 0.5, -0.5 + 0.5])
+    terms.loss_bt.sum().backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([-2.0 + 0.5, -0.5 + 0.5])

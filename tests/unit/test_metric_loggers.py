@@ -97,3 +97,23 @@ def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path, offline_wandb, wandb
     # two offline fragments of one run id, which `wandb sync` joins in start order
     assert runs == [(run_id, {1: {"reward_mean": 0.25}}), (run_id, {2: {"reward_mean": 0.5}})]
     assert not (tmp_path / "tensorboard").exists()  # only the loggers named
+
+
+def test_a_steps_samples_reach_tensorboard_as_text_and_wandb_as_a_table(tmp_path, offline_wandb, wandb_offline_history):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = load_config("tiny", ["trainer.loggers=[tensorboard,wandb]"])
+    loggers = open_metric_loggers(config, tmp_path, start_step=0)
+    records = [{"step": 1, "prompt": "Q: 2+3=?", "response": "5", "reward": 1.0, "finish_reason": "stop",
+                "response_tokens": 1}]
+    loggers.log_samples(records, 1)
+    loggers.log({"reward_mean": 1.0}, 1)  # the step's scalars commit the wandb step
+    loggers.close()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    (text,) = events.Tensors("samples/text_summary")
+    assert text.step == 1 and "| Q: 2+3=? | 5 | 1 | 1 (stop) |" in text.tensor_proto.string_val[0].decode()
+    ((_, history),) = wandb_offline_history(tmp_path / WANDB_DIR)
+    assert history[1]["reward_mean"] == 1.0  # wandb logs a table as a file beside the run: its rows and columns here
+    assert history[1]["samples/_type"] == "table-file" and history[1]["samples/nrows"] == 1

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from megatron_tlt.atomic_files import write_text_atomic
 from megatron_tlt.config import TLTConfig
+from megatron_tlt.rl.run import samples_log
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
@@ -26,6 +27,9 @@ WANDB_RUN_ID_FILE = "tlt_run_id"
 
 class MetricSink(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_samples(self, records: list[dict], step: int) -> None:
+        """A few of the step's samples (``samples_log.sample_records``) as text."""
 
     def close(self) -> None: ...
 
@@ -55,6 +59,10 @@ class TensorBoardSink:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def log_samples(self, records: list[dict], step: int) -> None:
+        self.writer.add_text("samples", samples_log.as_markdown(records), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -82,6 +90,14 @@ class WandbSink:
         # commit: a step's metrics arrive in one call; without it wandb holds a step back until the next one
         self.run.log(metrics, step=step, commit=True)
 
+    def log_samples(self, records: list[dict], step: int) -> None:
+        import wandb
+
+        table = wandb.Table(columns=["step", "prompt", "response", "reward", "tokens"],
+                            data=[[r["step"], r["prompt"], r["response"], r["reward"], r["response_tokens"]]
+                                  for r in records])
+        self.run.log({"samples": table}, step=step, commit=False)  # the step's scalars commit it
+
     def close(self) -> None:
         import wandb
 
@@ -101,6 +117,10 @@ class MetricLoggers:
     def log(self, metrics: dict[str, float], step: int) -> None:
         for sink in self.sinks:
             sink.log(metrics, step)
+
+    def log_samples(self, records: list[dict], step: int) -> None:
+        for sink in self.sinks:
+            sink.log_samples(records, step)
 
     def close(self) -> None:
         for sink in self.sinks:

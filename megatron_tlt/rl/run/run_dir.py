@@ -7,6 +7,7 @@
     RUN_DIR/timeline.jsonl     every rank's BUSY/IDLE spans, one JSON object per span
     RUN_DIR/timeline.trace.json the same spans as a Chrome trace (Perfetto, chrome://tracing), rewritten each step
     RUN_DIR/timeline_last_step.png the last step's spans, a row per rank
+    RUN_DIR/samples.jsonl      a few prompt / response / reward triples of each step (``samples_log.py``)
     RUN_DIR/tensorboard/, wandb/ scalars (``trainer.loggers``): reward, accuracy, lengths, phase times, idle share
     RUN_DIR/checkpoints/step_N/ atomic checkpoints (``rl/run/checkpoint.py``)
     RUN_DIR/logs/rank{N}.log   each rank's full output (``rank_logs.py``); the console keeps rank 0's
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 from megatron_tlt.atomic_files import write_text_atomic
+from megatron_tlt.rl.run import samples_log
 from megatron_tlt.rl.run.metric_loggers import MetricLoggers, scalar_metrics
 from megatron_tlt.timeline.plot import plot_step_timeline
 from megatron_tlt.timeline.trace import write_chrome_trace
@@ -124,6 +126,12 @@ class RunReporter:
             if line is not None:
                 self.progress.write(line, file=self.console)
         self.progress.update(1)
+
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        """Before ``log_step`` of the same step (wandb commits the step with its scalars)."""
+        if records:
+            samples_log.append(self.run_dir, records)
+            self.loggers.log_samples(records, step)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         self.loggers.log(scalar_metrics(metrics), step)

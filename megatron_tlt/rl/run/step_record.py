@@ -7,6 +7,8 @@ alarm (``spec/acceptance_alarms`` counts the engines whose rollout, or greedy pr
 acceptance collapsed; ``spec/probe_acceptance_rate`` where probes ran), the drafter integrity checks
 (``spec/drafter_integrity_*``, per step: see ``_integrity_fields``), the drafter's
 (``drafter/tlt_drafter.summary_fields``) and, with a reward pool, its failures and overlap (``reward/*``).
+``rollout/token_entropy`` is the mean -log p of the sampled tokens under the engine: the policy's entropy per
+token, estimated from its own samples (at temperature 1 and top-p 1; a sharper sampler reads lower).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class RankStepReport:
     quality: QualityReport | None = None
     """The drafters' held-out measure and the push decision (summed over ranks: the same figures on every rank;
     its seconds are this rank's)."""
+    sampled_nll: float | None = None
+    """Sum over the tokens of its samples of -log p(token) as the engine sampled them (None without log-probs)."""
 
 
 def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb_s: float,
@@ -103,6 +107,9 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
         "sync_gb_per_s": sync_gb_s,
         "hidden_state_tokens_captured": sum(p.hidden_tokens for p in per_rank),
     }
+    nll = [p.sampled_nll for p in per_rank if p.sampled_nll is not None]
+    if nll:  # E[-log p(x)] over tokens x the policy sampled is its entropy (at temperature 1, top-p 1)
+        record["rollout/token_entropy"] = sum(nll) / max(sum(lengths), 1)
     record.update({f"update/{k}": v for k, v in update.items()})
     record.update(_speculation_fields(per_rank))
     record.update(_alarm_fields(per_rank))
