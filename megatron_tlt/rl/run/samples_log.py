@@ -1,8 +1,9 @@
 """A few prompt / response / reward triples of every step, for a person to read: the first thing to look at when
 a reward stays at 0 (every response cut at the length cap, or noise, shows at a glance).
 
-    RUN_DIR/samples.jsonl   one JSON object per sample: step, prompt, response, reward, finish_reason, and the
-                            token ids (prompt_ids, response_ids) a benchmark can score again
+    RUN_DIR/samples.jsonl   one JSON object per sample: step, prompt, response, reward, finish_reason, the
+                            token ids (prompt_ids, response_ids) a benchmark can score again, and the
+                            engine's log-prob of each response token (response_logprobs; null without)
 and the same as a text table in the loggers (TensorBoard's TEXT tab, a wandb table), under ``samples``.
 """
 
@@ -26,7 +27,8 @@ def pick(samples: Sequence, count: int) -> list:
 def sample_records(step: int, samples: Sequence, decode: Callable[[Sequence[int]], str], count: int) -> list[dict]:
     return [{"step": step, "prompt": decode(s.prompt_ids), "response": decode(s.response_ids),
              "reward": s.reward, "finish_reason": s.finish_reason, "response_tokens": len(s.response_ids),
-             "prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids)} for s in pick(samples, count)]
+             "prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids),
+             "response_logprobs": s.rollout_logprobs} for s in pick(samples, count)]
 
 
 def as_markdown(records: Sequence[dict]) -> str:
