@@ -145,3 +145,13 @@ def prune_oldest(paths: Iterable[str | Path], keep: int, *, key: Callable[[Path]
     for old in removed:
         remove(old)
     return removed
+
+
+def drop_steps_after(path: Path, last_step: int) -> None:
+    """Rewrite a JSON-lines file of records with a ``step`` without those past ``last_step`` (what a run killed after
+    its checkpoint wrote, dropped when it resumes from it)."""
+    import json
+
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+        write_text_atomic(path, "".join(line + "\n" for line in kept))

@@ -340,8 +340,10 @@ class AlgorithmConfig:
     """Drop prompt groups whose samples all got the same reward (no learning signal)."""
     tis_cap: float | None = None
     """Truncated importance sampling of the rollout engine's mismatch: each token's policy-gradient term weighed by
-    min(p_train / p_rollout, tis_cap) (VeRL's rollout correction, slime's --use-tis; 2.0 is theirs). For bf16 or
-    FP8 rollouts on a GPU; None (off) on CPU, where the engine agrees with the trainer to ~1e-6."""
+    min(p_train / p_rollout, tis_cap) (VeRL's rollout correction, slime's --use-tis; 2.0 is theirs), both before
+    temperature and top-p: it corrects the engine's numerics, not the sampler's tempering. For bf16 or FP8 rollouts
+    on a GPU; None (off) on CPU, where the engine agrees with the trainer to ~1e-6. With it, update/pg_loss is the
+    weighted loss."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:

@@ -143,15 +143,21 @@ def _take_cores(threads: int, local: int | None = None, ranks: int | None = None
     _pin_to_own_cores(threads, local, ranks)
 
 
-def _exit_on_sigterm() -> None:
-    """When one rank fails, torch's agent stops the others with SIGTERM, whose default action ends a process at
-    once: no ``finally``, no atexit. The multiprocessing Manager that Megatron's checkpoint save starts then
-    outlives its rank, and holds the launcher's stdout and stderr open (a caller reading them waits forever).
-    As SystemExit, the rank unwinds and its children are shut down with it."""
-    import signal
-    import sys
+class RankStopped(SystemExit):
+    """SIGTERM reached a rank: torch's agent stops the other ranks so when one fails (or the job is cancelled)."""
 
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM's default action ends a process at once: no ``finally``, no atexit. The multiprocessing Manager that
+    Megatron's checkpoint save starts then outlives its rank, and holds the launcher's stdout and stderr open (a
+    caller reading them waits forever). As an exception, the rank unwinds and its children are shut down with it
+    (a rank blocked in a collective unwinds when the call returns, or the agent's SIGKILL comes)."""
+    import signal
+
+    def stop(signum, frame):
+        raise RankStopped("stopped by SIGTERM: another rank failed, or the job was cancelled")
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _run_rank(fn: Callable, threads: int, logs: RankLogSettings, environment: dict[str, str], args: tuple) -> Any:
@@ -190,6 +196,8 @@ def _failure_message(message: str, logs: RankLogSettings, rank: int) -> str:
 
 
 def _run_in_place(fn: Callable, logs: RankLogSettings, args: tuple) -> dict[int, Any]:
+    if launched_world_size() is not None:  # a rank of an outside torchrun: its agent stops ranks as ours does
+        _exit_on_sigterm()
     if logs.directory is None:
         return {launched_rank(): fn(*args)}
     output = RankOutput(logs, launched_rank())

@@ -39,7 +39,7 @@ KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
 
 # Log-ratios are clamped to this range before exp() so one bad token cannot overflow to inf
 # (exp(20) ~ 5e8 is still finite in bf16/fp32). Same bound as VeRL's core_algos.
-_MAX_ABS_LOG_RATIO = 20.0
+MAX_ABS_LOG_RATIO = 20.0
 
 
 def _valid_mask(mask_bt: Tensor, like_bt: Tensor, name: str = "logprobs_bt") -> Tensor:
@@ -109,7 +109,7 @@ def kl_penalty(logprobs_bt: Tensor, ref_logprobs_bt: Tensor, kind: KLKind = "k3"
         return -log_ratio_bt
     if kind == "k2":
         return 0.5 * log_ratio_bt.square()
-    log_ratio_bt = log_ratio_bt.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
+    log_ratio_bt = log_ratio_bt.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
     return torch.exp(log_ratio_bt) - log_ratio_bt - 1.0
 
 
@@ -189,7 +189,7 @@ def ppo_clip_token_terms(
 
     # Sanitise first: masked positions may hold -inf/NaN, and 0 * NaN in a backward would poison grads.
     log_ratio_bt = _masked(logprobs_bt.float() - old_logprobs_bt.float(), valid_bt)
-    log_ratio_bt = log_ratio_bt.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
+    log_ratio_bt = log_ratio_bt.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
     advantages_bt = _masked(advantages_bt.detach().expand_as(logprobs_bt), valid_bt)
     ratio_bt = torch.exp(log_ratio_bt)
 
@@ -216,8 +216,9 @@ def truncated_importance_weights(old_logprobs_bt: Tensor, rollout_logprobs_bt: T
 
     The engine samples from its own numerics (bf16, FP8, other kernels), not exactly the policy the trainer
     computes: with ``w = p_train(token) / p_rollout(token) = exp(old_logprobs - rollout_logprobs)``, the policy
-    gradient weighted by ``min(w, cap)`` corrects the off-policy gap at a bounded variance (VeRL's rollout
-    correction, slime's ``--use-tis``). Returns the weights (1 at invalid positions) and their per-token
+    gradient weighted by ``min(w, cap)`` corrects that numeric gap at a bounded variance (VeRL's rollout
+    correction, slime's ``--use-tis``). Both log-probs are before temperature and top-p: the sampler's own
+    tempering is not corrected here. Returns the weights (1 at invalid positions) and their per-token
     diagnostics ``tis_weight`` (the weight used) and ``tis_truncated`` (1 where the cap cut it).
     """
     if cap < 1.0:
@@ -225,7 +226,7 @@ def truncated_importance_weights(old_logprobs_bt: Tensor, rollout_logprobs_bt: T
     valid_bt = _valid_mask(mask_bt, old_logprobs_bt, "old_logprobs_bt")
     _check_same_shape("rollout_logprobs_bt", rollout_logprobs_bt, old_logprobs_bt)
     log_w_bt = _masked(old_logprobs_bt.detach().float() - rollout_logprobs_bt.detach().float(), valid_bt)
-    w_bt = torch.exp(log_w_bt.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO))
+    w_bt = torch.exp(log_w_bt.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO))
     weights_bt = torch.where(valid_bt, w_bt.clamp(max=cap), 1.0)
     return weights_bt, {"tis_weight": weights_bt, "tis_truncated": (valid_bt & (w_bt > cap)).float()}
 

@@ -170,8 +170,9 @@ class RankSession:
         examples = self.task.held_out or self.task.dataset.examples
         return [e.prompt_ids for e in examples[: self.config.drafter.probe_prompts]]
 
-    def sampling(self, *, n: int, temperature: float, seed: int | None) -> SamplingSettings:
-        return sampling_settings(self.config, self.tokenizer, n=n, temperature=temperature, seed=seed)
+    def sampling(self, *, n: int, temperature: float, seed: int | None, logprobs: bool = False) -> SamplingSettings:
+        return sampling_settings(self.config, self.tokenizer, n=n, temperature=temperature, seed=seed,
+                                 logprobs=logprobs)
 
     def close(self) -> None:
         for engine in self.engines:

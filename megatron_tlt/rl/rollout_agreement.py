@@ -9,7 +9,9 @@ response tokens of the step:
   * ``logprob_kl``: KL(rollout || train), estimated from the sampled tokens (Schulman's k3, never negative);
   * ``past_bound_share``: the share of tokens whose exp|diff| is past ``rollout.agreement_bound``.
 On CPU in fp32 a correct engine reads ~0 (prob error 1.0000): an exact alarm. On a GPU in bf16 the gap is real
-and is what truncated importance sampling corrects (``algorithm.tis_cap``, ``rl/losses.py``). A wrong engine (a
+and is what truncated importance sampling corrects (``algorithm.tis_cap``, ``rl/losses.py``). Both sides are the
+model's own distribution, before temperature and top-p (vLLM's ``raw_logprobs``; the trainer applies neither), so
+the check holds at any temperature; neither TIS nor these figures account for the sampler's temperature itself. A wrong engine (a
 weight it never received, a layout mapped wrongly) reads far past any bound: ``AgreementMonitor`` stops the run.
 """
 
@@ -22,11 +24,11 @@ import torch
 from torch import Tensor
 
 from megatron_tlt.config import RolloutConfig
+from megatron_tlt.rl.losses import MAX_ABS_LOG_RATIO, kl_penalty
 
 # Per-token values the update's loss reports (token sums, divided by the token count), and the one it maxes.
 TOKEN_STATS = ("agreement_abs_diff", "agreement_prob_error", "agreement_kl", "agreement_past_bound")
 MAX_STAT = "agreement_abs_diff_max"
-_MAX_ABS_LOG_RATIO = 20.0  # as rl/losses.py: one absurd token must not overflow the mean to inf
 FALLBACK_SEQUENCES = 8
 """Sequences a step whose update trained on none (every group filtered) measures by a forward of their own."""
 
@@ -48,20 +50,34 @@ def token_stats(train_logprobs_bt: Tensor, rollout_logprobs_bt: Tensor, valid_bt
     """Per-token [b, t] agreement values (0 at invalid positions; detached, float32): their token means are the
     step's figures. ``MAX_STAT`` is the largest |diff| (a scalar; 0 with no valid token)."""
     valid_bt = valid_bt.bool()
-    diff_bt = torch.where(valid_bt, train_logprobs_bt.detach().float() - rollout_logprobs_bt.detach().float(), 0.0)
-    diff_bt = diff_bt.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
-    abs_bt = diff_bt.abs()
+    train_bt = torch.where(valid_bt, train_logprobs_bt.detach().float(), 0.0)
+    rollout_bt = torch.where(valid_bt, rollout_logprobs_bt.detach().float(), 0.0)
+    unclamped_bt = (train_bt - rollout_bt).abs()  # the max is said as it is; the means clamp one absurd token
+    abs_bt = unclamped_bt.clamp(max=MAX_ABS_LOG_RATIO)
     prob_error_bt = torch.exp(abs_bt)
-    # k3 of KL(rollout || train) sampled from the rollout: r - log r - 1 with r = p_train / p_rollout.
-    kl_bt = (torch.exp(diff_bt) - diff_bt - 1.0).clamp(min=0.0)  # >= 0 exactly; rounding made -1e-10
+    # k3 of KL(rollout || train) sampled from the rollout, r - log r - 1 with r = p_train / p_rollout; >= 0 exactly
+    # (rounding made -1e-10). With temperature or top-p the tokens come from the tempered sampler, and this is then a
+    # measure of the gap, ~0 where the two agree, no longer an unbiased KL.
+    kl_bt = kl_penalty(rollout_bt, train_bt, "k3").clamp(min=0.0)
     zero = torch.zeros((), device=abs_bt.device)
     return {
         "agreement_abs_diff": abs_bt,
         "agreement_prob_error": torch.where(valid_bt, prob_error_bt, 0.0),
         "agreement_kl": torch.where(valid_bt, kl_bt, 0.0),
         "agreement_past_bound": (valid_bt & (prob_error_bt > bound)).float(),
-        MAX_STAT: abs_bt.max() if abs_bt.numel() else zero,
+        MAX_STAT: unclamped_bt.max() if unclamped_bt.numel() else zero,
     }
+
+
+def combine(per_update: list[dict[str, float]]) -> dict[str, float]:
+    """The step's figures from each optimizer step's (``trainer.updates_per_step`` > 1): means weighted by the
+    tokens each measured, the largest max, the tokens summed."""
+    measured = [m for m in per_update if m.get("agreement_tokens")]
+    if not measured:
+        return {"agreement_tokens": 0.0}
+    tokens = sum(m["agreement_tokens"] for m in measured)
+    combined = {key: sum(m[key] * m["agreement_tokens"] for m in measured) / tokens for key in TOKEN_STATS}
+    return combined | {MAX_STAT: max(m[MAX_STAT] for m in measured), "agreement_tokens": tokens}
 
 
 def label_row(sample, device: torch.device | str = "cpu") -> torch.Tensor | None:

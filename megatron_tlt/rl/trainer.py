@@ -173,7 +173,8 @@ class RLTrainer:
         result = self.engine.generate(  # the ranks of one engine sample with one seed: the same responses
             [e.prompt_ids for e in mine],
             self.session.sampling(n=self.config.rollout.samples_per_prompt, temperature=self.config.rollout.temperature,
-                                  seed=rollout_seed(self._sampling_seed, step, self.placement.leader_rank)),
+                                  seed=rollout_seed(self._sampling_seed, step, self.placement.leader_rank),
+                                  logprobs=True),
             on_finished=streamed.on_finished if streamed is not None else None,
         ) if mine else None
         done = time.time()
@@ -316,6 +317,7 @@ class RLTrainer:
                 rollout_logprobs=rollout_agreement.label_row(sample, device))))
         capture = self._on_policy_update and self._wants_features(train_drafter)
         metrics: dict[str, list[float]] = {}
+        agreement: list[dict[str, float]] = []  # each optimizer step's figures, combined over the step's tokens
         feature_rows = 0
         with timeline.phase("update"):
             for u in range(t.updates_per_step):  # mini-batches interleave short and long sequences
@@ -336,9 +338,11 @@ class RLTrainer:
                 if capture:
                     feature_rows += self._keep_features([seq.token_ids for seq in mini], result.features,
                                                         train_drafter, mini_indices, held_out)
-                for key, value in result.metrics.items():
+                for key, value in rollout_agreement.without_agreement(result.metrics).items():
                     metrics.setdefault(key, []).append(value)
+                agreement.append(result.metrics)
         metrics = {key: statistics.fmean(values) for key, values in metrics.items()}
+        metrics |= rollout_agreement.combine(agreement)
         if not metrics.get("agreement_tokens"):  # every group filtered out: the engine is checked all the same
             checked = [PolicySequence(token_ids=token_ids[i], prompt_len=len(samples[i].prompt_ids), old_logprobs=None,
                                       advantage=0.0, rollout_logprobs=rollout_agreement.label_row(samples[i], device))
@@ -346,6 +350,7 @@ class RLTrainer:
             with timeline.phase("logprob"):
                 metrics |= agreement_by_forward(self.model, checked, vocab_size=self.arch.vocab_size,
                                                 micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                                micro_batch_tokens=t.micro_batch_tokens,
                                                 bound=self.config.rollout.agreement_bound)
         return metrics, feature_rows
 
@@ -418,7 +423,8 @@ class RLTrainer:
         return RankStepReport(
             timeline=timeline, rewards=[s.reward for s in own], correct=[s.correct for s in own],
             lengths=[len(s.response_ids) for s in own], truncated=[s.finish_reason == "length" for s in own],
-            sampled_nll=-sum(sum(s.rollout_logprobs) for s in own) if own and own[0].rollout_logprobs else None,
+            sampled_nll=(-sum(sum(s.rollout_logprobs) for s in own)
+                         if own and own[0].rollout_logprobs is not None else None),
             dropped_groups=dropped_groups if dist.get_rank(self.mp_group) == 0 else 0,
             spec=result.spec if result is not None and leader else None,
             step_depths=result.step_depths if result is not None and leader else [],

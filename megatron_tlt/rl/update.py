@@ -175,14 +175,16 @@ def _reduce_report(reports: list[dict[str, torch.Tensor]], names: tuple[str, ...
 
 
 def agreement_by_forward(model: torch.nn.Module, sequences: Sequence[PolicySequence], *, vocab_size: int,
-                         micro_batch_size: int, pad_id: int, bound: float) -> dict[str, float]:
+                         micro_batch_size: int, pad_id: int, bound: float,
+                         micro_batch_tokens: int | None = None) -> dict[str, float]:
     """The rollout engine's agreement with the policy (``rl/rollout_agreement.py``) on ``sequences``, which carry
     ``rollout_logprobs``, by a forward of their own: for a step whose update trained on no token. Collective over
     all ranks (a data-parallel rank may bring none); the figures as ``policy_update_step`` reports them."""
     reports = []
     if sequences:
         result = compute_logprobs(model, [s.token_ids for s in sequences], vocab_size=vocab_size,
-                                  micro_batch_size=micro_batch_size, pad_id=pad_id)
+                                  micro_batch_size=micro_batch_size, pad_id=pad_id,
+                                  micro_batch_tokens=micro_batch_tokens)
         for seq, logprobs in zip(sequences, result.token_logprobs):  # empty off the last pipeline stage
             valid = torch.zeros(1, len(seq.token_ids) - 1, dtype=torch.bool, device=logprobs.device)
             valid[0, seq.prompt_len - 1:] = True

@@ -59,9 +59,10 @@ class SamplingSettings:
     stop_token_ids: Sequence[int] = ()
     seed: int | None = None
     """Base seed; request i uses seed + i so a rollout is reproducible."""
-    logprobs: bool = True
-    """Return each sampled token's log-probability under the engine's policy (``RolloutResult.logprobs``): the
-    trainer checks the engine against its own recomputation every step (``rl/rollout_agreement.py``)."""
+    logprobs: bool = False
+    """Return each sampled token's log-probability under the engine's policy (``RolloutResult.logprobs``): the RL
+    rollout asks for them, and the trainer checks the engine against its own recomputation every step
+    (``rl/rollout_agreement.py``)."""
 
 
 @dataclasses.dataclass
@@ -434,6 +435,9 @@ class RolloutEngine:
                     distributed_executor_backend="external_launcher",
                     tensor_parallel_size=self.tensor_parallel_size,
                     disable_log_stats=False,
+                    # log_softmax of the model's logits before temperature, top-p and penalties: what the trainer
+                    # computes (it applies no temperature), pinned so that a new default cannot change the check
+                    logprobs_mode="raw_logprobs",
                     speculative_config=speculative_config,
                     # sleep/wake frees the KV cache while the rank trains; only vLLM's GPU allocator has it
                     enable_sleep_mode=torch.cuda.is_available(),

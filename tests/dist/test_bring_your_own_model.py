@@ -95,6 +95,21 @@ def test_the_run_trains_on_chat_prompts_and_its_rank_logs_hold_no_traceback(trai
                                   for p in engine_configs)
 
 
+def test_the_engine_samples_the_tied_policy_every_step_and_the_samples_say_what_it_wrote(trained):
+    """The issue-55 layout: a tied policy, an engine started from dummy weights. A random policy earns exact_match's 0
+    everywhere, so hf.yaml's equal-reward filter leaves the update no token: the agreement comes from the forward of
+    its own over the step's sequences, and must read ~0 all the same."""
+    run_dir, _, _ = trained
+    for record in json.loads((run_dir / "summary.json").read_text()):
+        assert record["equal_reward_groups_dropped"] == 4 and record["update/num_tokens"] == 0
+        assert record["rollout/agreement_tokens"] > 0 and abs(record["rollout/prob_error"] - 1.0) < 1e-4
+        assert record["rollout/logprob_diff_max"] < 1e-3 and record["rollout/past_bound_share"] == 0.0
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1] * 4 + [2] * 4
+    assert all(s["prompt"].startswith("<|im_start|>system") and len(s["response_logprobs"]) == s["response_tokens"]
+               for s in samples)
+
+
 def test_the_exported_policy_holds_the_tokenizer_and_chat_template_of_the_policy_it_came_from(chat_model, trained):
     hf_dir, _ = chat_model
     run_dir, policy_dir, _ = trained

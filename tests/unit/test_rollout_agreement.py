@@ -97,3 +97,19 @@ def test_summary_fields_rename_the_update_figures_and_leave_the_update_its_own()
         "rollout/logprob_kl": 0.0, "rollout/past_bound_share": 0.0, "rollout/agreement_tokens": 10.0}
     assert rollout_agreement.without_agreement(metrics) == {"pg_loss": 0.1, "num_tokens": 10.0}
     assert rollout_agreement.summary_fields({"agreement_tokens": 0.0}) == {}
+
+
+def test_several_optimizer_steps_combine_by_their_tokens_and_keep_the_largest_max():
+    first = {"agreement_tokens": 300.0, "agreement_prob_error": 1.0, "agreement_abs_diff": 0.0, "agreement_kl": 0.0,
+             "agreement_past_bound": 0.0, rollout_agreement.MAX_STAT: 0.5}
+    second = {"agreement_tokens": 100.0, "agreement_prob_error": 3.0, "agreement_abs_diff": 0.4, "agreement_kl": 0.8,
+              "agreement_past_bound": 1.0, rollout_agreement.MAX_STAT: 2.0}
+    combined = rollout_agreement.combine([first, second, {"agreement_tokens": 0.0}])
+    assert combined == pytest.approx({"agreement_tokens": 400.0, "agreement_prob_error": 1.5, "agreement_abs_diff": 0.1,
+                                      "agreement_kl": 0.2, "agreement_past_bound": 0.25, rollout_agreement.MAX_STAT: 2.0})
+    assert rollout_agreement.combine([]) == {"agreement_tokens": 0.0}
+
+
+def test_the_max_is_said_as_it_is_and_the_means_clamp_an_absurd_token():
+    stats = rollout_agreement.token_stats(torch.tensor([[-50.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), bound=1.05)
+    assert stats[rollout_agreement.MAX_STAT].item() == 50.0 and stats["agreement_abs_diff"].item() == 20.0

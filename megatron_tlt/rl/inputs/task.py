@@ -70,8 +70,10 @@ def engine_config_for(config: TLTConfig, task: Task) -> RolloutEngineConfig:
 
 
 def sampling_settings(config: TLTConfig, tokenizer: Tokenizer, *, n: int, temperature: float,
-                      seed: int | None) -> SamplingSettings:
-    """The run's rollout sampling at ``temperature`` (greedy ignores top-p), ending at EOS."""
+                      seed: int | None, logprobs: bool = False) -> SamplingSettings:
+    """The run's rollout sampling at ``temperature`` (greedy ignores top-p), ending at EOS; ``logprobs``: with each
+    sampled token's log-prob (the RL rollout's, for the agreement check)."""
     r = config.rollout
     return SamplingSettings(n=n, temperature=temperature, top_p=r.top_p if temperature > 0 else 1.0,
-                            max_tokens=r.max_response_tokens, stop_token_ids=[tokenizer.eos_id], seed=seed)
+                            max_tokens=r.max_response_tokens, stop_token_ids=[tokenizer.eos_id], seed=seed,
+                            logprobs=logprobs)

@@ -21,7 +21,7 @@ import math
 import time
 from pathlib import Path
 
-from megatron_tlt.atomic_files import write_text_atomic
+from megatron_tlt.atomic_files import drop_steps_after, write_text_atomic
 from megatron_tlt.rl.run import samples_log
 from megatron_tlt.rl.run.metric_loggers import MetricLoggers, scalar_metrics
 from megatron_tlt.timeline.plot import plot_step_timeline
@@ -210,7 +210,4 @@ def read_timeline(run_dir: Path) -> list[dict]:
 
 def truncate_timeline(run_dir: Path, last_step: int) -> None:
     """Drop timeline spans of steps after ``last_step`` (written by a run killed after its checkpoint)."""
-    path = run_dir / TIMELINE_FILE
-    if path.is_file():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-        write_text_atomic(path, "".join(line + "\n" for line in kept))
+    drop_steps_after(run_dir / TIMELINE_FILE, last_step)

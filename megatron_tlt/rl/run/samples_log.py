@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from megatron_tlt.atomic_files import write_text_atomic
+from megatron_tlt.atomic_files import drop_steps_after
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -49,10 +49,7 @@ def append(run_dir: Path, records: Sequence[dict]) -> None:
 
 def truncate(run_dir: Path, last_step: int) -> None:
     """Drop what a killed run wrote past the checkpoint it resumes from."""
-    path = run_dir / SAMPLES_FILE
-    if path.is_file():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-        write_text_atomic(path, "".join(line + "\n" for line in kept))
+    drop_steps_after(run_dir / SAMPLES_FILE, last_step)
 
 
 def read(run_dir: Path) -> list[dict]:
