@@ -91,7 +91,7 @@ def _greedy_before_and_after_an_update(jobs: list[tuple[str, str, str, str]], tp
             optimizer = mcore.build_optimizer(ddp, lr=3e-3)
             engine = RolloutEngine(meta.arch, RolloutEngineConfig(max_model_len=128, tensor_parallel_size=tp),
                                    workdir=f"{updated_dir}-engine", rank=layout.rank)
-            greedy = SamplingSettings(temperature=0.0, max_tokens=NEW_TOKENS)
+            greedy = SamplingSettings(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=True)
             try:
                 sync_policy_to_engine(ddp, meta.arch, engine, padded_vocab_size=meta.padded_vocab_size)
                 before = engine.generate(PROMPTS, greedy)

@@ -42,7 +42,8 @@ def _speculative_engine_on_rank(workdir: str, apply_vllm_fix: bool, full_checks:
         try:
             results["kv_cache_blocks"] = engine.kv_cache_blocks
             engine.load_weights(fixture["target"].items())
-            sampled = engine.generate([PROMPT], SamplingSettings(n=NUM_SAMPLES, temperature=1.0, max_tokens=4))
+            sampled = engine.generate([PROMPT], SamplingSettings(n=NUM_SAMPLES, temperature=1.0, max_tokens=4,
+                                                                 logprobs=True))
             results["samples"] = np.array(sampled.token_ids[0])
             results["sampled_logprobs"] = np.array(sampled.logprobs[0])
             results["sampled_acceptance_rate"] = sampled.spec.acceptance_rate
