@@ -110,10 +110,6 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 # ---------------------------------------------------------------------------------------------- figures
 
 
@@ -350,9 +346,10 @@ def run_tlt(hf_dir: Path, work: Path, args, overrides: list[str]) -> tuple[Path,
 
 def run_figures(run_dir: Path, hf_dir: Path, cap: int) -> dict:
     """What the run wrote: its per-step records, transformers' entropy on its step-1 responses, eval/*."""
-    records = json.loads((run_dir / "summary.json").read_text())
-    samples_path = run_dir / "samples.jsonl"
-    samples = read_jsonl(samples_path) if samples_path.is_file() else []
+    from megatron_tlt.rl.run import run_dir as run_files, samples_log
+
+    records = run_files.read_summary(run_dir)
+    samples = samples_log.read(run_dir)
     first = [s for s in samples if s.get("step") == 1 and "response_ids" in s]
     figures = {"run_dir": str(run_dir), "records": records, "samples_logged": len(samples),
                "logged_lengths": {step: length_stats([s["response_tokens"] for s in samples if s["step"] == step], cap)
@@ -383,9 +380,6 @@ def convert_last_checkpoint(run_dir: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- the table
-
-ROLLOUT_KEYS = ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/prob_error", "rollout/logprob_kl",
-                "rollout/past_bound_share", "rollout/token_entropy")
 
 
 def _cell(value) -> str:

@@ -11,8 +11,9 @@ response tokens of the step:
 On CPU in fp32 a correct engine reads ~0 (prob error 1.0000): an exact alarm. On a GPU in bf16 the gap is real
 and is what truncated importance sampling corrects (``algorithm.tis_cap``, ``rl/losses.py``). Both sides are the
 model's own distribution, before temperature and top-p (vLLM's ``raw_logprobs``; the trainer applies neither), so
-the check holds at any temperature; neither TIS nor these figures account for the sampler's temperature itself. A wrong engine (a
-weight it never received, a layout mapped wrongly) reads far past any bound: ``AgreementMonitor`` stops the run.
+the check holds at any temperature; neither TIS nor these figures account for the sampler's temperature itself.
+A wrong engine (a weight it never received, a layout mapped wrongly) reads far past any bound: ``AgreementMonitor``
+stops the run.
 """
 
 from __future__ import annotations
@@ -67,6 +68,16 @@ def token_stats(train_logprobs_bt: Tensor, rollout_logprobs_bt: Tensor, valid_bt
         "agreement_past_bound": (valid_bt & (prob_error_bt > bound)).float(),
         MAX_STAT: unclamped_bt.max() if unclamped_bt.numel() else zero,
     }
+
+
+def token_sums(train_logprobs_bt: Tensor, rollout_logprobs_bt: Tensor, valid_bt: Tensor, *,
+                bound: float) -> dict[str, Tensor]:
+    """``token_stats`` summed over the valid tokens, with ``MAX_STAT`` and ``num_tokens``: one pass's report, which
+    ``update._reduce_report`` turns into the figures."""
+    stats = token_stats(train_logprobs_bt, rollout_logprobs_bt, valid_bt, bound=bound)
+    valid_bt = valid_bt.bool()
+    return {name: stats[name][valid_bt].sum() for name in TOKEN_STATS} | {
+        MAX_STAT: stats[MAX_STAT], "num_tokens": valid_bt.sum().float()}
 
 
 def combine(per_update: list[dict[str, float]]) -> dict[str, float]:

@@ -299,9 +299,10 @@ class RLTrainer:
             return self._keep_features([sequences[i] for i in dropped], captured, train_drafter, dropped, held_out)
 
     def _update(self, samples: list[Sample], token_ids: list[list[int]], advantages: list[float], old, ref,
-                timeline: RankTimeline, train_drafter: bool, held_out: HeldOutSlice) -> tuple[dict, int]:
-        """The step's optimizer steps; returns their mean metrics and the drafter feature rows the update's forward
-        captured (on-policy only; the log-prob pass captures them otherwise)."""
+                timeline: RankTimeline, train_drafter: bool, held_out: HeldOutSlice) -> tuple[dict, int, dict]:
+        """The step's optimizer steps; returns their mean metrics, the drafter feature rows the update's forward
+        captured (on-policy only; the log-prob pass captures them otherwise) and the engine's agreement with the
+        trainer's log-probs (``rollout_agreement.summary_fields``: the same on every rank)."""
         t = self.config.trainer
         device = module_device(self.model)  # where the log-prob pass left ``old`` and ``ref``
         sequences = []
@@ -317,7 +318,7 @@ class RLTrainer:
                 rollout_logprobs=rollout_agreement.label_row(sample, device))))
         capture = self._on_policy_update and self._wants_features(train_drafter)
         metrics: dict[str, list[float]] = {}
-        agreement: list[dict[str, float]] = []  # each optimizer step's figures, combined over the step's tokens
+        per_update: list[dict[str, float]] = []  # each optimizer step's agreement, combined over the step's tokens
         feature_rows = 0
         with timeline.phase("update"):
             for u in range(t.updates_per_step):  # mini-batches interleave short and long sequences
@@ -340,19 +341,19 @@ class RLTrainer:
                                                         train_drafter, mini_indices, held_out)
                 for key, value in rollout_agreement.without_agreement(result.metrics).items():
                     metrics.setdefault(key, []).append(value)
-                agreement.append(result.metrics)
+                per_update.append(result.metrics)
         metrics = {key: statistics.fmean(values) for key, values in metrics.items()}
-        metrics |= rollout_agreement.combine(agreement)
-        if not metrics.get("agreement_tokens"):  # every group filtered out: the engine is checked all the same
+        agreement = rollout_agreement.combine(per_update)
+        if not agreement["agreement_tokens"]:  # every group filtered out: the engine is checked all the same
             checked = [PolicySequence(token_ids=token_ids[i], prompt_len=len(samples[i].prompt_ids), old_logprobs=None,
                                       advantage=0.0, rollout_logprobs=rollout_agreement.label_row(samples[i], device))
                        for i in rollout_agreement.spread(len(samples), rollout_agreement.FALLBACK_SEQUENCES)]
             with timeline.phase("logprob"):
-                metrics |= agreement_by_forward(self.model, checked, vocab_size=self.arch.vocab_size,
-                                                micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
-                                                micro_batch_tokens=t.micro_batch_tokens,
-                                                bound=self.config.rollout.agreement_bound)
-        return metrics, feature_rows
+                agreement = agreement_by_forward(self.model, checked, vocab_size=self.arch.vocab_size,
+                                                 micro_batch_size=t.micro_batch_size, pad_id=self.tokenizer.pad_id,
+                                                 micro_batch_tokens=t.micro_batch_tokens,
+                                                 bound=self.config.rollout.agreement_bound)
+        return metrics, feature_rows, rollout_agreement.summary_fields(agreement)
 
     def _sync(self, timeline: RankTimeline) -> SyncStats:
         with timeline.phase("sync"):
@@ -379,7 +380,7 @@ class RLTrainer:
         dropped_rows = self._features_of_dropped_groups(sequences, advantages, train_drafter, held_out, timeline)
         old, ref, feature_rows = self._logprob_pass(sequences, timeline, train_drafter, held_out)
         feature_rows += dropped_rows
-        update_metrics, update_feature_rows = self._update(samples, sequences, advantages, old, ref, timeline,
+        update_metrics, update_feature_rows, self._agreement_fields = self._update(samples, sequences, advantages, old, ref, timeline,
                                                            train_drafter, held_out)
         feature_rows += update_feature_rows
         if serially:  # after the update, on the critical path, on this step's features
@@ -397,10 +398,9 @@ class RLTrainer:
         gathered = [None] * self.world if self.is_reporter else None
         dist.gather_object(report, gathered, dst=0)
         record = None
-        self._agreement_fields = rollout_agreement.summary_fields(update_metrics)
         if self.is_reporter:
-            record = step_record(step + 1, gathered, rollout_agreement.without_agreement(update_metrics),
-                                 synced.gb_per_s, time.time() - step_start, ranks_per_node=self.session.ranks_per_node)
+            record = step_record(step + 1, gathered, update_metrics, synced.gb_per_s, time.time() - step_start,
+                                 ranks_per_node=self.session.ranks_per_node)
             record.update(self._agreement_fields)
             if self.config.trainer.log_samples:
                 self.reporter.log_samples(step + 1, samples_log.sample_records(

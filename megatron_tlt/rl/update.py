@@ -121,26 +121,21 @@ def _forward_step(data_iterator, model, *, vocab_size: int, settings: AlgorithmC
         # On-policy (no log-prob pass): the rollout policy is this one, so the ratio is exactly 1 and
         # the gradient is the policy gradient, as with old log-probs from a separate pass.
         old_bl = batch.old_logprobs_bl if batch.old_logprobs_bl is not None else logprobs_bl.detach()
-        stats = {}
-        if agreement_bound is not None:  # the trainer's log-probs of the rollout policy against the engine's
-            stats = rollout_agreement.token_stats(old_bl, batch.rollout_logprobs_bl, batch.response_mask_bl,
-                                                  bound=agreement_bound)
-        weights_bl = None
+        weights_bl, tis_stats = None, {}
         if settings.tis_cap is not None:
             weights_bl, tis_stats = losses.truncated_importance_weights(
                 old_bl, batch.rollout_logprobs_bl, batch.response_mask_bl, cap=settings.tis_cap)
-            stats.update(tis_stats)
         terms = losses.policy_token_terms(
             logprobs_bl, old_bl, batch.advantages_b.unsqueeze(-1), batch.response_mask_bl,
             ref_logprobs_bt=batch.ref_logprobs_bl, kl_coef=settings.kl_coef,
             clip_low=settings.clip_low, clip_high=settings.clip_high, importance_weights_bt=weights_bl,
         )
         numerator, count = losses.aggregate_parts(terms.loss_bt, terms.valid_bt, settings.loss_aggregation)
-        report = {name: values[terms.valid_bt].sum() for name, values in (terms.stats_bt | stats).items()
-                  if name != rollout_agreement.MAX_STAT}
-        if rollout_agreement.MAX_STAT in stats:
-            report[rollout_agreement.MAX_STAT] = stats[rollout_agreement.MAX_STAT]
+        report = {name: values[terms.valid_bt].sum() for name, values in (terms.stats_bt | tis_stats).items()}
         report["num_tokens"] = terms.valid_bt.sum().float()
+        if agreement_bound is not None:  # the trainer's log-probs of the rollout policy against the engine's
+            report |= rollout_agreement.token_sums(old_bl, batch.rollout_logprobs_bl, batch.response_mask_bl,
+                                                   bound=agreement_bound)
         return numerator, count.to(torch.int), report
 
     return output, loss_fn
@@ -187,11 +182,9 @@ def agreement_by_forward(model: torch.nn.Module, sequences: Sequence[PolicySeque
                                   micro_batch_tokens=micro_batch_tokens)
         for seq, logprobs in zip(sequences, result.token_logprobs):  # empty off the last pipeline stage
             valid = torch.zeros(1, len(seq.token_ids) - 1, dtype=torch.bool, device=logprobs.device)
-            valid[0, seq.prompt_len - 1:] = True
-            stats = rollout_agreement.token_stats(logprobs[None], seq.rollout_logprobs[None].to(logprobs.device),
-                                                  valid, bound=bound)
-            reports.append({name: stats[name].sum() for name in rollout_agreement.TOKEN_STATS}
-                           | {rollout_agreement.MAX_STAT: stats[rollout_agreement.MAX_STAT], "num_tokens": valid.sum()})
+            valid[0, seq.prompt_len - 1:] = True  # the response's labels, as make_microbatch masks them
+            reports.append(rollout_agreement.token_sums(logprobs[None], seq.rollout_logprobs[None].to(logprobs.device),
+                                                        valid, bound=bound))
     metrics = _reduce_report(reports, ("num_tokens",) + rollout_agreement.TOKEN_STATS, (rollout_agreement.MAX_STAT,))
     metrics["agreement_tokens"] = metrics.pop("num_tokens")
     return metrics

@@ -104,7 +104,9 @@ def test_the_engine_samples_the_tied_policy_every_step_and_the_samples_say_what_
         assert record["equal_reward_groups_dropped"] == 4 and record["update/num_tokens"] == 0
         assert record["rollout/agreement_tokens"] > 0 and abs(record["rollout/prob_error"] - 1.0) < 1e-4
         assert record["rollout/logprob_diff_max"] < 1e-3 and record["rollout/past_bound_share"] == 0.0
-    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    from megatron_tlt.rl.run import samples_log
+
+    samples = samples_log.read(run_dir)
     assert [s["step"] for s in samples] == [1] * 4 + [2] * 4
     assert all(s["prompt"].startswith("<|im_start|>system") and len(s["response_logprobs"]) == s["response_tokens"]
                for s in samples)

@@ -202,7 +202,9 @@ def test_the_engine_agrees_with_the_trainer_every_step_and_samples_are_written_o
             assert abs(record["rollout/prob_error"] - 1.0) < 1e-4 and record["rollout/logprob_diff_max"] < 1e-3
             assert record["rollout/past_bound_share"] == 0.0 and 0.0 <= record["rollout/logprob_kl"] < 1e-6
             assert 0.0 < record["rollout/token_entropy"] < math.log(512)
-    samples = [json.loads(line) for line in (killed_run / "samples.jsonl").read_text().splitlines()]
+    from megatron_tlt.rl.run import samples_log
+
+    samples = samples_log.read(killed_run)
     assert [s["step"] for s in samples] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4  # the resume dropped none twice
     assert all(s["prompt"].startswith("<s>Q: ") and s["response_tokens"] == len(s["response_ids"]) for s in samples)
 

@@ -20,8 +20,7 @@ SAMPLES_FILE = "samples.jsonl"
 
 def pick(samples: Sequence, count: int) -> list:
     """``count`` samples, spread over prompts: the first response of each prompt, then the second, ..."""
-    by_rank = sorted(samples, key=lambda s: (s.sample_index, s.prompt_index))
-    return by_rank[:count]
+    return sorted(samples, key=lambda s: (s.sample_index, s.prompt_index))[:count]
 
 
 def sample_records(step: int, samples: Sequence, decode: Callable[[Sequence[int]], str], count: int) -> list[dict]:
