@@ -16,10 +16,10 @@ import subprocess
 
 import pytest
 import torch
+from hang_guard import HANG_GUARD_S
 
 from megatron_tlt.formats.hf_io import HFCheckpointReader
 
-HANG_GUARD_S = 840  # subprocess limits: hang guards only, under pytest.ini's 900 s a test
 TRAIN = ["--config", "hf", "parallel.data_parallel_size=1", "trainer.steps=2", "trainer.save_every=1",
          "trainer.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_response_tokens=16",
          "trainer.eval_every=0", "data.reward=exact_match", "drafter.speculative_tokens=2"]

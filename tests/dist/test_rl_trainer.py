@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 import small_runs
+from hang_guard import HANG_GUARD_S  # a run took 115 s
 from small_runs import TLT_OFF
 
 HELPERS = Path(__file__).parent / "helpers"
 # the shared small run, with this module's learning rate and a reward that every response earns differently
 SMALL = [*small_runs.SMALL, "optimizer.lr=1e-3", "data.reward=length_reward:shorter_is_better"]
-HANG_GUARD_S = 840  # subprocess limits: hang guards only, under pytest.ini's 900 s a test (a run took 115 s)
 STEP_KEYS = ("reward_mean", "accuracy", "response_length_mean", "response_length_max", "rollout_seconds",
              "logprob_seconds", "update_seconds", "sync_seconds", "rollout_idle_share", "rollout_busy_seconds")
 

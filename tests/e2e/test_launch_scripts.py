@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hang_guard import HANG_GUARD_S
 
 from megatron_tlt.config import load_config, world_size
 from megatron_tlt.rl.run.checkpoint_paths import CHECKPOINTS_DIR, TRAINER_META
@@ -37,8 +38,9 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(args, env, timeout=840):  # a hang guard only (a dry run took 9 s under load)
-    return subprocess.run([str(a) for a in args], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+def _run(args, env):  # a dry run took 9 s under load
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, env=env, timeout=HANG_GUARD_S,
+                          cwd=REPO)
 
 
 def _node_commands(stdout: str) -> dict[int, tuple[str, list[str]]]:

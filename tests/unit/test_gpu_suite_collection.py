@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_SUITE = REPO / "tests" / "gpu"
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a
 
 def _pytest_on_the_gpu_suite(*args: str) -> list[str]:
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", *args, "tests/gpu"], cwd=REPO,
-                            capture_output=True, text=True, timeout=840)  # a hang guard only
+                            capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout.splitlines()
 
