@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import struct
+import subprocess
 import warnings
 import zlib
 from pathlib import Path
@@ -125,3 +127,29 @@ def read_wandb_history(wandb_dir: Path) -> list[tuple[str, dict[int, dict[str, f
 def wandb_offline_history():
     """``read_wandb_history``: reads back an offline wandb run's metrics from its files."""
     return read_wandb_history
+
+
+@pytest.fixture
+def tlt_in_process(capfd, caplog):
+    """``tlt ARGS`` run in this process as the entry point runs it (``cli.main``), for refusals of bad input, which
+    come before any rank starts: a subprocess would add an interpreter's start (seconds a call) and check nothing
+    more. Returns what ``subprocess.run`` would: the exit code, stdout and stderr, read at the file descriptors (a
+    library's or a child's writes count). A warning logged or raised in the call fails the test, as its line on a
+    real stderr would: in a test, logging and warnings go to pytest instead."""
+    from megatron_tlt.cli import main
+
+    def run(*args) -> subprocess.CompletedProcess:
+        argv = [str(arg) for arg in args]
+        capfd.readouterr()
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as raised:
+            try:
+                code = main(argv)
+            except SystemExit as stopped:  # argparse's refusals
+                code = stopped.code
+        out, err = capfd.readouterr()
+        logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not logged and not raised, (logged, [str(w.message) for w in raised])
+        return subprocess.CompletedProcess(["tlt", *argv], code, out, err)
+
+    return run

@@ -2,10 +2,6 @@
 any rank starts, through the real ``tlt train``), the choice between FP8's two backends, and the torchao
 backend itself, which runs on this CPU: torch 2.13 has CPU float8 kernels behind ``torch._scaled_mm``."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -27,7 +23,6 @@ from megatron_tlt.drafter.precision import (
 from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
 
-REPO = Path(__file__).resolve().parents[2]
 LLAMA = architecture_from_dict(TINY_LLAMA)
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU-only machine resolves to")
 needs_torchao = pytest.mark.skipif(backend_import_error(TORCHAO) is not None,
@@ -176,10 +171,9 @@ def test_resolve_precision_goes_by_the_table_on_the_gpu_it_runs_on(monkeypatch):
 
 
 @no_cuda
-def test_tlt_train_refuses_fp8_without_fp8_support_before_any_rank_starts(tmp_path):
+def test_tlt_train_refuses_fp8_without_fp8_support_before_any_rank_starts(tlt_in_process, tmp_path):
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "megatron_tlt.cli", "train", "drafter.precision=fp8",
-                             f"trainer.run_dir={run_dir}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = tlt_in_process("train", "drafter.precision=fp8", f"trainer.run_dir={run_dir}")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr[-3000:]
     assert lines == ["tlt: error: drafter.precision=fp8 cannot run here: no CUDA device; use drafter.precision=bf16 "
