@@ -87,9 +87,8 @@ class _Session:
         self.mp_size = dist.get_world_size(self.mp_group)
         self.dp_rank, self.dp_size = mcore.data_parallel_rank(), mcore.data_parallel_size()
         # The cold start's recipe, cached and shipped under keys that do not name the online pack order: it keeps the
-        # order it was made with (its buffer is one step's responses; the online default shuffles across steps), and its
-        # ranks' own Adam moments
-        d = dataclasses.replace(config.drafter, pack_order="newest", heads_version="newest", average_adam_moments=False)
+        # order it was made with (its buffer is one step's responses; the online default shuffles across steps)
+        d = dataclasses.replace(config.drafter, pack_order="newest", heads_version="newest")
         # the warm-up keeps every feature it makes: its buffer holds them all
         self.trainer = DrafterTrainer(self.task.arch, d, seed=config.trainer.seed,
                                       precision=resolve_precision(d.precision), buffer_tokens=1 << 62)

@@ -151,6 +151,23 @@ class SpotTrainer:
         report.failed = self.failed
         return report
 
+    def train_rows(self, rows: int, timeline: RankTimeline, *, phase: str) -> SpotReport:
+        """Train at least ``rows`` rows now, as the step's own work (the serial schedule): whole micro-steps,
+        nothing preempts them; stops early on an empty buffer or a failure (logged once)."""
+        report = SpotReport(released_at=None)
+        while self.enabled and report.tokens < rows:
+            start = time.time()
+            tokens = self.train_one(lambda: False)
+            if tokens == 0:
+                break
+            end = time.time()
+            timeline.add(phase, TRAINING, start, end)
+            report.micro_steps += 1
+            report.tokens += tokens
+            report.training_seconds += end - start
+        report.failed = self.failed
+        return report
+
     @property
     def failed(self) -> bool:
         """Drafter training failed on this rank and is off for the rest of the run."""

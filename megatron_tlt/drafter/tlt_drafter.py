@@ -1,15 +1,19 @@
 """TLT's drafter in the RL step on one rank: its whole life in one place.
 
-The trainer calls it at its phase boundaries and passes what one phase gives the next:
+The step's phases call it through the hooks of ``drafter/step_hooks.py`` (``NullDrafter`` stands in where TLT
+is off) and pass what one phase gives the next:
 
-  rollout    ``engine_speculation()`` says how the rank's engine speculates with it; once this rank's
-             share is done, ``wait_for_rollout_end`` trains it on the idle time until the slowest rank
-             is done (the spot trainer, preempted at once), then makes every replica the token-weighted
-             mean, so every engine gets one version, and returns what it did (``TailReport``);
-  log-prob   ``add_features`` takes the policy's fresh features of the step's sequences;
-  sync       the rank session's sync hands it the policy's new embedding and LM head
-             (``set_policy_heads``) and pushes ``export_tensors()`` into the engine;
-  save       ``save`` writes it beside the policy checkpoint, in the background.
+  rollout      ``engine_speculation()`` says how the rank's engine speculates with it; once this rank's
+               share is done, ``idle_tail`` trains it on the idle time until the slowest rank is done (the
+               spot trainer, preempted at once), then makes every replica the token-weighted mean, so every
+               engine gets one version, and returns what it did (``TailReport``);
+  policy pass  ``take_features`` takes the policy's fresh features of the step's sequences; ``after_update``
+               trains it there under the serial schedule;
+  sync         ``candidate_and_push`` gates the drafter trained since the last decision; the rank session's
+               sync hands it the policy's new embedding and LM head (``set_policy_heads``) and pushes
+               ``export_tensors()`` into the engine;
+  report       ``adapt_duty_cycle`` backs the spot trainer off where it slowed the generating ranks;
+  save         ``save`` writes it beside the policy checkpoint, in the background.
 
 ``summary_fields`` turns every rank's ``TailReport`` into the step's ``drafter/*`` fields, among them the
 precision it trains in (``drafter/precision``: fp32, bf16, fp8 (transformer_engine), fp8 (torchao)) and why
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -31,14 +34,15 @@ from megatron_tlt.config import TLTConfig
 from megatron_tlt.device import compute_device
 from megatron_tlt.drafter import checkpoint_paths, checkpointer, store
 from megatron_tlt.drafter.model import EagleDrafter
-from megatron_tlt.drafter.neighbour_slowdown import DutyCycleController
+from megatron_tlt.drafter.neighbour_slowdown import DutyCycleController, NeighbourSlowdown
 from megatron_tlt.drafter.precision import resolve_precision, start_up_line
 from megatron_tlt.drafter.serving import MeasureSettings, QualityReport, ServingDrafter
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotReport, SpotTrainer
+from megatron_tlt.drafter.step_hooks import DrafterStepPlan, NullDrafter
 from megatron_tlt.drafter.trainer import DrafterTrainer
 from megatron_tlt.formats.architecture import PolicyArchitecture
 from megatron_tlt.spec.engine import SpeculativeSettings
-from megatron_tlt.timeline.spans import BUSY, TRAINING, RankTimeline
+from megatron_tlt.timeline.spans import BUSY, RankTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +110,11 @@ class TLTDrafter:
                 self.spot.set_duty_cycle(self.duty.duty_cycle)
 
     @classmethod
-    def for_run(cls, config: TLTConfig, arch: PolicyArchitecture, **kwargs) -> TLTDrafter | None:
-        """The run's drafter, or None when it neither speculates nor trains."""
+    def for_run(cls, config: TLTConfig, arch: PolicyArchitecture, **kwargs) -> TLTDrafter | NullDrafter:
+        """The run's drafter, or a ``NullDrafter`` when it neither speculates nor trains (TLT off)."""
         d = config.drafter
         if d.speculative_tokens == 0 and not d.spot_training:
-            return None
+            return NullDrafter()
         return cls(config, arch, **kwargs)
 
     def _load(self, start_step: int, *, rank: int, world: int, is_reporter: bool) -> dict:
@@ -153,21 +157,27 @@ class TLTDrafter:
                                    acceptance_alarm_threshold=self.config.drafter.acceptance_alarm,
                                    draft_sampling=self.config.speculation.draft_sampling)
 
-    def trains_in(self, step: int) -> bool:
-        """Whether the spot trainer works in (1-based) ``step``: every step, or the even or odd ones only
-        (``drafter.spot_training_steps``, for benchmarks that compare steps with and without it)."""
-        which = self.config.drafter.spot_training_steps
-        return self.spot is not None and (which == "all" or (step % 2 == 0) == (which == "even"))
+    def plan_step(self, step: int) -> DrafterStepPlan:
+        """What it does in (1-based) ``step``: train (in the tail, or after the update under ``drafter.schedule:
+        serial``) whenever the spot trainer is on, and measure on the first step and every
+        ``drafter.quality_every``-th after it (``drafter/serving.py``)."""
+        serial = self.config.drafter.schedule == "serial"
+        measures = self.serving is not None and (step - 1) % _quality_every(self.config.drafter.quality_every) == 0
+        return DrafterStepPlan(trains_in_tail=self.spot is not None and not serial,
+                               trains_serially=self.spot is not None and serial, measures=measures)
 
-    def measures_in(self, step: int) -> bool:
-        """Whether (1-based) ``step`` measures the drafters on a held-out slice and decides a push: the first step
-        and every ``drafter.quality_every``-th after it (``drafter/serving.py``)."""
-        return self.serving is not None and (step - 1) % _quality_every(self.config.drafter.quality_every) == 0
+    def idle_tail(self, plan: DrafterStepPlan, timeline: RankTimeline) -> TailReport | None:
+        """Once this rank's rollout share is done: train until the slowest rank is done (TLT), or None."""
+        return self.wait_for_rollout_end(timeline) if plan.trains_in_tail else None
 
-    @property
-    def trains_serially(self) -> bool:
-        """``drafter.schedule: serial``: it trains after the update, on the critical path, not in the tail."""
-        return self.config.drafter.schedule == "serial"
+    def after_update(self, plan: DrafterStepPlan, timeline: RankTimeline) -> TailReport | None:
+        """The serial schedule's training, after the update, on this step's features; None under TLT's."""
+        return self.train_serially(timeline) if plan.trains_serially else None
+
+    def candidate_and_push(self, plan: DrafterStepPlan, held_out) -> QualityReport | None:
+        """Before the sync, in a measuring step: the gate's decision on the drafter trained since the last one
+        (``measure_and_gate``); the sync then pushes ``export_tensors()``, the drafter the gate let through."""
+        return self.measure_and_gate(held_out) if plan.measures else None
 
     def train_serially(self, timeline: RankTimeline) -> TailReport:
         """The peers' schedule: ``drafter.serial_tokens`` rows of training on this step's features while the
@@ -176,19 +186,8 @@ class TLTDrafter:
         self.checkpointer.wait()  # a checkpoint write still reads the drafter (it is not copied)
         # Micro-steps train whole packs: rows owed carry over, so the run trains serial_tokens a step on average.
         self._serial_rows_owed += self.config.drafter.serial_tokens
-        spot = SpotReport(released_at=None)
-        while self.spot.enabled and spot.tokens < self._serial_rows_owed:
-            start = time.time()
-            tokens = self.spot.train_one(lambda: False)  # nothing preempts it: it is the step's own work
-            if tokens == 0:  # an empty buffer (or a failure, logged once): the step goes on without it
-                break
-            end = time.time()
-            timeline.add("update", TRAINING, start, end)
-            spot.micro_steps += 1
-            spot.tokens += tokens
-            spot.training_seconds += end - start
+        spot = self.spot.train_rows(self._serial_rows_owed, timeline, phase="update")
         self._serial_rows_owed -= spot.tokens
-        spot.failed = self.spot.failed
         stats = self.trainer.phase_stats()
         with timeline.phase("sync"):
             self._count_trained(self.trainer.average_replicas())
@@ -206,11 +205,12 @@ class TLTDrafter:
         return TailReport(spot=spot, stats=stats, precision=self.trainer.precision.label,
                           precision_reason=self.trainer.precision.reason, duty_cycle=self.spot.duty_cycle)
 
-    def adapt_duty_cycle(self, rollout_cost: float | None) -> None:
-        """Set every rank's duty cycle for the next rollout from the cost rank 0 measured in this one
-        (``rollout_cost``: ``drafter/spot_rollout_cost``, None elsewhere or without an estimate). Collective."""
+    def adapt_duty_cycle(self, cost: NeighbourSlowdown | None) -> None:
+        """Set every rank's duty cycle for the next rollout from the cost rank 0 measured in this one (the worst
+        node's estimate, ``drafter/spot_rollout_cost``; None elsewhere or where no rank trained). Collective."""
         if self.duty is None:
             return
+        rollout_cost = cost.rollout_cost if cost is not None else None
         duty = torch.tensor([self.duty.update(rollout_cost)], dtype=torch.float64, device=compute_device())
         dist.broadcast(duty, src=0)  # rank 0 alone holds the step's record
         self.duty.load_state_dict({"duty_cycle": duty.item()})
@@ -222,7 +222,7 @@ class TLTDrafter:
 
     # ------------------------------------------------------------------ log-prob pass, measure and sync
 
-    def add_features(self, token_ids: list[list[int]], features: list[torch.Tensor]) -> None:
+    def take_features(self, token_ids: list[list[int]], features: list[torch.Tensor]) -> None:
         if features:
             self.trainer.add_sequences(token_ids, features)
 

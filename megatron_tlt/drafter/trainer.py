@@ -2,9 +2,8 @@
 
 Every rank holds a replica. During rollout an idle rank runs ``micro_step`` (one pack, one Adam step)
 as often as the spot trainer lets it; at the end of rollout ``average_replicas`` makes every replica
-the token-weighted mean of those that trained, so every engine gets one version. With
-``drafter.average_adam_moments`` Adam's moments are averaged the same way, so every replica goes on from one state;
-by default each rank keeps its own (those of the drafter it last trained), which measured no worse.
+the token-weighted mean of those that trained, so every engine gets one version. Each rank keeps its own Adam
+moments (those of the drafter it last trained): averaging them too measured no better (bench/RESULTS.md).
 
 Nothing here touches the policy, the global RNGs or a process group except ``average_replicas``.
 """
@@ -267,32 +266,4 @@ class DrafterTrainer:
         flat = parameters_to_vector(self.drafter.parameters()).float() * weight
         dist.all_reduce(flat, group=group)
         vector_to_parameters((flat / total.item()).to(self.drafter.dtype), self.drafter.parameters())
-        if self.settings.average_adam_moments:
-            self._average_adam_state(weight, total.item(), group)
         return int(total.item())
-
-    @torch.no_grad()
-    def _average_adam_state(self, weight: float, total: float, group) -> None:
-        """Adam's moments as the parameters: the token-weighted mean over the ranks that trained, and the most steps
-        any rank has taken (for the bias correction). A rank that never trained makes zero moments first (weighted
-        0), so every rank reduces the same tensors. Collective; ``weight``/``total``: as ``average_replicas``."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        states = [self.optimizer.state[p] for p in params]
-        for p, state in zip(params, states):
-            if not state:  # AdamW's own initial state, as its first step would make it
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        moments = [state[name] for state in states for name in ("exp_avg", "exp_avg_sq")]
-        flat = torch.cat([m.reshape(-1).float() for m in moments]) * weight
-        dist.all_reduce(flat, group=group)
-        flat /= total
-        offset = 0
-        for m in moments:
-            m.copy_(flat[offset:offset + m.numel()].view_as(m))
-            offset += m.numel()
-        steps = torch.tensor([max(float(state["step"]) for state in states)], dtype=torch.float64,
-                             device=self.precision.device)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
-        for state in states:
-            state["step"].fill_(steps.item())

@@ -19,13 +19,17 @@ stops the run.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from megatron_tlt.config import RolloutConfig
 from megatron_tlt.rl.losses import MAX_ABS_LOG_RATIO, kl_penalty
+
+logger = logging.getLogger(__name__)
 
 # Per-token values the update's loss reports (token sums, divided by the token count), and the one it maxes.
 TOKEN_STATS = ("agreement_abs_diff", "agreement_prob_error", "agreement_kl", "agreement_past_bound")
@@ -167,3 +171,14 @@ class AgreementMonitor:
             return None
         kind = "far past the stop level: the engine is not the policy" if far else "past the bound"
         return f"step {step} rollout: engine and trainer disagree, {kind}: {describe(fields, self.bound)}"
+
+    def check_on_every_rank(self, step: int, fields: dict[str, float], *, is_reporter: bool) -> None:
+        """``check`` as the run makes it, after the step is logged: the warning said once (rank 0's log reaches the
+        console), and a run stopped on every rank at once, none killed mid-report."""
+        try:
+            line = self.check(step, fields)
+        except RolloutMismatchError:
+            dist.barrier()
+            raise
+        if line is not None and is_reporter:
+            logger.warning(line)

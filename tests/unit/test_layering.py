@@ -84,12 +84,18 @@ def test_no_import_cycles():
 
 
 def _package(module: str) -> str:
-    """The package ``module`` belongs to: its folder (``megatron_tlt.rl.inputs`` for ``rl/inputs/task.py``), or at
-    the package root the module itself (``megatron_tlt.parallel``): the root holds modules side by side, as units."""
+    """The package ``module`` belongs to: its folder (``megatron_tlt.rl.inputs`` for ``rl/inputs/task.py``), or the
+    module itself where its folder holds packages beside modules (``megatron_tlt.parallel`` at the package root,
+    ``megatron_tlt.rl.trainer`` beside ``rl/phases/``): such a folder holds its modules side by side, as units."""
     parts = module.split(".")
-    if (PACKAGE_DIR.parent.joinpath(*parts)).is_dir() or len(parts) <= 2:
+    folder = PACKAGE_DIR.parent.joinpath(*parts[:-1])
+    if PACKAGE_DIR.parent.joinpath(*parts).is_dir() or len(parts) <= 2 or _holds_packages(folder):
         return module
     return ".".join(parts[:-1])
+
+
+def _holds_packages(folder: Path) -> bool:
+    return any(child.is_dir() and any(child.glob("*.py")) for child in folder.iterdir())
 
 
 def _arrows_between_packages(imports: dict[str, set[str]]) -> dict[str, dict[str, str]]:

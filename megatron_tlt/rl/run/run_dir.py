@@ -134,8 +134,11 @@ class RunReporter:
             self.loggers.log_samples(records, step)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Held-out accuracy at ``step``; step 0's (before RL) is also kept in its own file."""
         self.loggers.log(scalar_metrics(metrics), step)
         self.progress.write(eval_line(step, metrics), file=self.console)
+        if step == 0:
+            write_text_atomic(self.run_dir / EVAL_BEFORE_RL_FILE, json.dumps(metrics, indent=1))
 
     def refresh_views(self) -> None:
         """Rewrite timeline.trace.json (every span so far) and timeline_last_step.png (the latest step)."""

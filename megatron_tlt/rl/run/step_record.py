@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from megatron_tlt.drafter.neighbour_slowdown import EngineStep, neighbour_slowdown
+from megatron_tlt.drafter.neighbour_slowdown import EngineStep, NeighbourSlowdown, neighbour_slowdown
 from megatron_tlt.drafter.serving import QualityReport, quality_fields
 from megatron_tlt.drafter.tlt_drafter import TailReport, summary_fields
 from megatron_tlt.rl.rewards.pool import FAILURE_KINDS
@@ -121,19 +121,32 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
     return record
 
 
-def _neighbour_fields(per_rank: list[RankStepReport], ranks_per_node: int) -> dict:
-    """What the ranks that trained in the rollout cost the ranks still generating on their node
-    (``drafter/neighbour_slowdown.py``): the worst node's figures; none where no rank trained in the rollout."""
+def node_slowdowns(per_rank: list[RankStepReport], ranks_per_node: int) -> list[NeighbourSlowdown]:
+    """What the ranks that trained in the rollout cost the ranks still generating, per node
+    (``drafter/neighbour_slowdown.py``); [] where no rank trained in the rollout."""
     trained = {r: [(s.start, s.end) for s in p.timeline.spans if s.phase == "rollout" and s.state == TRAINING]
                for r, p in enumerate(per_rank)}
     if not any(trained.values()):
-        return {}
+        return []
     estimates = []
     for first in range(0, len(per_rank), ranks_per_node):
         node = range(first, min(first + ranks_per_node, len(per_rank)))
         estimates.append(neighbour_slowdown({r: per_rank[r].engine_steps for r in node}, {r: trained[r] for r in node}))
+    return estimates
+
+
+def worst_node(estimates: list[NeighbourSlowdown]) -> NeighbourSlowdown | None:
+    """The node whose generating ranks the training cost most (None: no node has an estimate)."""
     measured = [e for e in estimates if e.rollout_cost is not None]
-    worst = max(measured, key=lambda e: e.rollout_cost) if measured else None
+    return max(measured, key=lambda e: e.rollout_cost) if measured else None
+
+
+def _neighbour_fields(per_rank: list[RankStepReport], ranks_per_node: int) -> dict:
+    """The worst node's figures; none where no rank trained in the rollout."""
+    estimates = node_slowdowns(per_rank, ranks_per_node)
+    if not estimates:
+        return {}
+    worst = worst_node(estimates)
     return {
         "drafter/neighbour_slowdown": worst.slowdown if worst else None,
         "drafter/spot_rollout_cost": worst.rollout_cost if worst else None,
