@@ -32,8 +32,8 @@ most TOKENS tokens for its first STEPS steps, then every prompt (``data.curricul
 curriculum makes it: the drafter has seen only the short responses the run starts with, and the policy then writes
 long ones.
 
-Both runs use the same seeds and the same number of steps; each repeat draws other samples
-(``rollout.sampling_seed``), the same for every arm where a seed fixes them. TLT on starts its drafter from the
+Both runs use the same seeds and the same number of steps, in every repeat (TLT off draws the same samples each
+time, its seed fixes them; TLT on's vary with the engine's RNG under speculation). TLT on starts its drafter from the
 benchmarks' cached warm-up drafter of the initial policy (``commands/start.cold_start_drafter``, made on first
 use, as ``tlt bench rollout`` does), speculates up to depth ``--depth`` (default: the config's
 ``drafter.speculative_tokens``) with the config's depth policy choosing per engine step (the default's
@@ -204,13 +204,9 @@ def main() -> None:
                                                    "cold_start_seconds": cold_start_seconds,
                                                    "variants": list(variants)}, indent=1))
         for repeat in range(args.repeats):
-            # Every repeat draws other samples, the same in every arm where a seed fixes them: TLT off's draws
-            # are fixed by the seed, TLT on's are not (the engine's RNG), so one seed for all repeats would
-            # compare TLT on's average over draws with a single draw of TLT off.
-            draws = [f"rollout.sampling_seed={repeat}"]
             for arm in (list(arms) if repeat % 2 == 0 else list(arms)[::-1]):  # "on" runs before "serial" first
                 extra = [f"drafter.serial_tokens={_serial_tokens(runs['on'][-1])}"] if arm == "serial" else []
-                runs[arm].append(_run(root / f"{arm}-{repeat + 1}", arms[arm] + draws + extra))
+                runs[arm].append(_run(root / f"{arm}-{repeat + 1}", arms[arm] + extra))
     _print_all(runs, list(variants), cold_start_seconds, start_seconds, args.start)
 
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from megatron_tlt import atomic_files, layout_rules
+from megatron_tlt.commands import run_values
 from megatron_tlt.commands.warmup_settings import ColdStartSettings
 from megatron_tlt.config import check_pretrained_config, load_config, to_yaml, world_size
 from megatron_tlt.launcher import launched_rank
@@ -88,6 +89,7 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
         if checkpoint_paths.latest_checkpoint(run_dir) is None:
             raise run_files.RunDirError(f"{run_dir}: no complete checkpoint to resume from")
         config.trainer.run_dir = str(run_dir)
+        config = run_values.decided(config, run_name=run_dir.name)
         if writer:
             atomic_files.write_text_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))  # overrides (e.g. more steps) stick
     else:
@@ -96,6 +98,7 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
                                         "each rank would otherwise make its own time-stamped directory")
         run_dir = Path(config.trainer.run_dir or run_files.default_run_dir())
         config.trainer.run_dir = str(run_dir)
+        config = run_values.decided(config, run_name=run_dir.name)
         if writer:
             run_files.prepare_new_run_dir(run_dir, to_yaml(config))
     d = config.drafter

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.device import compute_device
 from megatron_tlt.drafter import checkpoint_paths, checkpointer, store
+from megatron_tlt.drafter.device_defaults import quality_every, spot_duty_cycle
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.neighbour_slowdown import DutyCycleController, NeighbourSlowdown
 from megatron_tlt.drafter.precision import resolve_precision, start_up_line
@@ -45,11 +46,6 @@ from megatron_tlt.spec.engine import SpeculativeSettings
 from megatron_tlt.timeline.spans import BUSY, RankTimeline
 
 logger = logging.getLogger(__name__)
-
-# bench/spot_overhead.py on 2 CPU cores: +7.8% critical path training all idle time, none measurable at 0.25
-CPU_SPOT_DUTY_CYCLE = 0.25
-# bench/tlt_end_to_end.py on 2 CPU cores (2026-11-29): the held-out measure took 0.3-1.5 s of 9-24 s steps
-CPU_QUALITY_EVERY = 4
 
 
 @dataclasses.dataclass
@@ -101,7 +97,7 @@ class TLTDrafter:
             # no training while a checkpoint write still reads the drafter (it is not copied)
             self.spot = SpotTrainer(self.trainer.micro_step, DeviceIdleProbe(compute_device().index),
                                     may_train=lambda: not self.checkpointer.writing(),
-                                    duty_cycle=_spot_duty_cycle(d.spot_duty_cycle))
+                                    duty_cycle=spot_duty_cycle(d.spot_duty_cycle))
         self.duty = None
         if self.spot is not None and d.schedule == "idle" and d.spot_cost_bound is not None:
             self.duty = DutyCycleController(self.spot.duty_cycle, bound=d.spot_cost_bound)
@@ -162,7 +158,7 @@ class TLTDrafter:
         serial``) whenever the spot trainer is on, and measure on the first step and every
         ``drafter.quality_every``-th after it (``drafter/serving.py``)."""
         serial = self.config.drafter.schedule == "serial"
-        measures = self.serving is not None and (step - 1) % _quality_every(self.config.drafter.quality_every) == 0
+        measures = self.serving is not None and (step - 1) % quality_every(self.config.drafter.quality_every) == 0
         return DrafterStepPlan(trains_in_tail=self.spot is not None and not serial,
                                trains_serially=self.spot is not None and serial, measures=measures)
 
@@ -282,21 +278,6 @@ class FrozenDrafter:
 
     def export_tensors(self) -> dict[str, torch.Tensor]:
         return self.tensors
-
-
-def _quality_every(configured: int | None) -> int:
-    """drafter.quality_every, or its default: every step on GPU, where one forward over the slice is a sliver of a
-    step; every CPU_QUALITY_EVERY-th on CPU, where the forward and the measure cost 5-8% of a tiny-default step."""
-    if configured is not None:
-        return configured
-    return 1 if torch.cuda.is_available() else CPU_QUALITY_EVERY
-
-
-def _spot_duty_cycle(configured: float | None) -> float:
-    """drafter.spot_duty_cycle, or its default: a GPU rank trains on its own device, CPU ranks share a memory bus."""
-    if configured is not None:
-        return configured
-    return 1.0 if torch.cuda.is_available() else CPU_SPOT_DUTY_CYCLE
 
 
 def summary_fields(reports: list[TailReport | None], timelines: list[RankTimeline]) -> dict:

@@ -76,7 +76,10 @@ class RLTrainer:
             self.engine.load_bandit_state(state["bandit"])  # what it learned about depths goes on
             if self.rank == 0:
                 logger.info("BEG-MAB state restored from %s", ckpt)
-        self.reporter = run_state.open_reporter(config, run_dir, self.start_step) if self.rank == 0 else None
+        self.reporter = None
+        if self.rank == 0:
+            run_state.record_engine(config, run_dir, s.engine_config)
+            self.reporter = run_state.open_reporter(config, run_dir, self.start_step)
         self._build_phases()
 
     def _build_phases(self) -> None:

@@ -476,6 +476,25 @@ def spot_run(spot_run_result):
     return spot_run_result[0]
 
 
+def test_the_run_config_says_what_ran_every_null_left_to_the_run_decided(spot_run):
+    from omegaconf import OmegaConf
+
+    from megatron_tlt.commands.run_values import NULL_MEANS_NONE
+
+    def nulls(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from nulls(value, f"{prefix}{key}.")
+            elif value is None:
+                yield f"{prefix}{key}"
+
+    ran = OmegaConf.to_container(OmegaConf.load(spot_run / "config.yaml"))
+    assert set(nulls(ran)) <= NULL_MEANS_NONE, set(nulls(ran)) - NULL_MEANS_NONE
+    engine = ran["rollout"]["engine"]  # sized by the rank session, written back by rank 0
+    assert engine["max_model_len"] > 48 and engine["kv_cache_gib"] >= 1 and engine["tensor_parallel_size"] == 1
+    assert ran["drafter"]["quality_every"] == 1 and ran["speculation"]["depths"] == [0, 1, 2]
+
+
 def _console_segments(text: str) -> list[str]:
     """What a terminal showed, line by line: a progress bar redraws itself after carriage returns."""
     return [segment.strip() for segment in re.split(r"[\r\n]", text) if segment.strip()]
@@ -550,8 +569,10 @@ def test_a_rank_that_fails_shows_its_error_and_its_log_on_the_console(env, tmp_p
 
 def test_speculative_rollouts_with_beg_mab_report_depths_and_keep_the_bandit_across_steps(spot_run):
     records = _summary(spot_run)
-    # every step drafted (its depths are counted below), so every record has its acceptance length
-    assert all(1.0 <= r["spec/mean_acceptance_length"] <= 3.0 for r in records)
+    # Every step drafted (its depths are counted below), so every record has its acceptance length; at depths
+    # of 1 and 2 it read 1.68, 1.69, 1.96, 2.07 in steps 1-4 (CPU, 2026-12-02), a drafter with lost (zeroed)
+    # weights 1.09 at depth 2 (tests/gpu/test_tlt_train_on_cuda.py's command on CPU).
+    assert all(1.3 <= r["spec/mean_acceptance_length"] <= 3.0 for r in records)
     assert all(0.0 <= r["spec/probe_acceptance_rate"] <= 1.0 for r in records)  # probed after every sync
     assert all(len(r["drafter/tokens_trained"]) == 2 and not r["drafter/failed"] for r in records)
     # every hand-over (engine start, each sync and drafter push) found the engine holding the drafter pushed
@@ -587,8 +608,10 @@ def test_the_drafters_are_measured_on_a_held_out_slice_every_step_and_pushed_thr
     records = _summary(spot_run)
     for record in records:  # the serving drafter and the cold start, at the engine's depth, on teacher-forced chains
         assert record["drafter/quality/depth"] == 2 and record["drafter/quality/chains"] > 0
+        # read 2.04-2.67 (serving) and 1.89-2.04 (the cold start, the seeded copy-the-feature drafter) in steps
+        # 1-4 (CPU, 2026-12-02); a zeroed drafter (lost weights) drafts uniformly, under 5% accepted (tp2_run)
         for key in ("expected_acceptance_length", "cold_start_expected_acceptance_length"):
-            assert 1.0 <= record[f"drafter/quality/{key}"] <= 3.0
+            assert 1.5 <= record[f"drafter/quality/{key}"] <= 3.0
         assert set(record["drafter/quality/acceptance_by_position"]) == {"1", "2"}
         assert record["drafter/quality/policy_entropy"] >= 0 and record["drafter/quality/seconds"] > 0
     # step 1 starts from the cold start (here the seeded initialisation): the same drafter, the same figure
@@ -663,7 +686,8 @@ def test_warmup_drafter_distils_the_policy_into_a_servable_drafter_that_agrees_m
     assert info["mean_acceptance_length_after"] > info["mean_acceptance_length_before"]
 
 
-def test_warmup_drafter_refuses_bad_input_before_starting_ranks(env, tmp_path):
+def test_warmup_drafter_refuses_bad_input_before_starting_ranks(env, tlt_in_process, monkeypatch, tmp_path):
+    monkeypatch.setenv("TLT_CACHE_DIR", env["TLT_CACHE_DIR"])  # in this process (refused before any rank)
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "file").write_text("x")
@@ -672,8 +696,7 @@ def test_warmup_drafter_refuses_bad_input_before_starting_ranks(env, tmp_path):
         (["--out", str(tmp_path / "new"), "--policy", str(tmp_path)], "not a run directory, a checkpoint"),
         (["--out", str(tmp_path / "new"), "--epochs", "0"], "must be >= 1"),
     ]:
-        result = subprocess.run(["tlt", "warmup-drafter", *args], env=env, capture_output=True, text=True,
-                                timeout=HANG_GUARD_S)
+        result = tlt_in_process("warmup-drafter", *args)
         assert result.returncode == 2 and message in result.stderr, result.stderr
 
 

@@ -3,10 +3,12 @@ records with the steps past the checkpoint dropped."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
-from megatron_tlt.config import TLTConfig
+from megatron_tlt.atomic_files import write_text_atomic
+from megatron_tlt.config import RolloutEngineConfig, TLTConfig, to_yaml
 from megatron_tlt.rl.inputs import policy_source
 from megatron_tlt.rl.run import checkpoint, checkpoint_paths, metric_loggers, samples_log
 from megatron_tlt.rl.run import run_dir as run_files
@@ -41,3 +43,10 @@ def open_reporter(config: TLTConfig, run_dir: Path, start_step: int) -> run_file
     samples_log.truncate(run_dir, start_step)
     return run_files.RunReporter(run_dir, total_steps=config.trainer.steps, start_step=start_step, records=records,
                                  loggers=metric_loggers.open_metric_loggers(config, run_dir, start_step=start_step))
+
+
+def record_engine(config: TLTConfig, run_dir: Path, engine: RolloutEngineConfig) -> None:
+    """The engine as the rank session sized it (its context length, its CPU KV cache) into the run's config.yaml,
+    beside the values decided before the ranks started (``commands/run_values.py``)."""
+    ran = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine=engine))
+    write_text_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(ran))
