@@ -15,10 +15,6 @@ bandit keeps what it learned from round to round, as it does from RL step to RL 
 round of every mode warms the engines, then BEG-MAB learns over a few more untimed rollouts (in an RL run
 it learns over hundreds), and its cold first rollout is reported beside the timed ones.
 
-With ``speculation.context_bucket_bounds`` set, BEG-MAB runs twice in every round: as before ("BEG-MAB", one context
-bucket) and with those context buckets ("BEG-MAB ctx"), each its own bandit on the same engine, so the two are
-paired round by round.
-
 Reported per mode: wall time, generated tokens/s, mean acceptance length, speedup over no speculation, and
 the speedup on the long-tail phase (the engine steps after half the sequences have finished).
 
@@ -48,8 +44,6 @@ NO_SPECULATION = "no speculation"
 BANDIT = "BEG-MAB"
 GOODPUT = "goodput"
 ADAPTIVE = (BANDIT, GOODPUT)
-BANDIT_CONTEXT = "BEG-MAB ctx"
-"""BEG-MAB with the config's ``speculation.context_bucket_bounds`` (a mode only when they are set)."""
 VLLM_TABLE = "vLLM table"
 """vLLM's static per-batch-size depths (``num_speculative_tokens_per_batch_size``), written from the sweep."""
 
@@ -124,11 +118,9 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
     from megatron_tlt.spec.adaptive_scheduler import depth_policy_for
     from megatron_tlt.spec.engine import SpeculativeSettings
 
-    # K=0 among --depths is the speculating engine with drafting off: what it costs beside the plain engine;
-    # "BEG-MAB" keeps one context bucket, "BEG-MAB ctx" gets the configured ones
-    context_bounds = list(config.speculation.context_bucket_bounds)
+    # K=0 among --depths is the speculating engine with drafting off: what it costs beside the plain engine
     bandit = dataclasses.replace(config.speculation, adaptive=True, depths=sorted({0, *settings.depths}),
-                                 policy="bandit", context_bucket_bounds=[])
+                                 policy="bandit")
     speculation = SpeculativeSettings(num_speculative_tokens=max(settings.depths), adaptive=bandit,
                                       seed=config.trainer.seed, draft_sampling=config.speculation.draft_sampling)
     with ParallelLayout(seed=config.trainer.seed), tempfile.TemporaryDirectory(prefix="tlt-bench-rollout-") as workdir:
@@ -152,10 +144,6 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
             policies = {BANDIT: speculative.adaptive_scheduler().bandit,
                         GOODPUT: depth_policy_for(dataclasses.replace(bandit, policy=GOODPUT),
                                                   max(settings.depths), config.trainer.seed)}
-            if context_bounds:
-                policies[BANDIT_CONTEXT] = depth_policy_for(
-                    dataclasses.replace(bandit, context_bucket_bounds=context_bounds), max(settings.depths),
-                    config.trainer.seed)
             adaptive = list(policies)
             modes = [NO_SPECULATION, *(f"K={k}" for k in settings.depths), VLLM_TABLE, *adaptive]
             runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
@@ -197,9 +185,6 @@ def bench_on_rank(config: TLTConfig, policy_dir: str | None, drafter_dir: str, s
             base = statistics.fmean(r.seconds for r in runs[NO_SPECULATION])
             figures["bandit_cold_first_rollout_speedup"] = base / cold[BANDIT].seconds
             figures["goodput_cold_first_rollout_speedup"] = base / cold[GOODPUT].seconds
-            if BANDIT_CONTEXT in summaries:
-                figures["bandit_context"] = summaries[BANDIT_CONTEXT]
-                figures["bandit_context_cold_first_rollout_speedup"] = base / cold[BANDIT_CONTEXT].seconds
             return figures
         finally:
             session.close()
@@ -290,18 +275,13 @@ def _equal_work(runs: dict[str, list[ModeRun]]) -> dict | None:
         work_ratio[mode] = ratios
     best = max((m for m in speedup if m.startswith("K=")), key=speedup.__getitem__)
     over_best = {}
-    for mode in (BANDIT, GOODPUT, VLLM_TABLE, BANDIT_CONTEXT):
+    for mode in (BANDIT, GOODPUT, VLLM_TABLE):
         if mode in runs:
             ratios = [a / b for a, b in zip(by_round[mode], by_round[best])]
             over_best[mode] = {"ratio": speedup[mode] / speedup[best], "by_round": ratios,
                                "standard_error": _standard_error(ratios)}
     measured = sum(sum(run.step_seconds) for run in base)
-    paired = {}
-    if BANDIT_CONTEXT in runs and BANDIT in runs:  # the two bandits of the same rounds
-        ratios = [a / b for a, b in zip(by_round[BANDIT_CONTEXT], by_round[BANDIT])]
-        paired = {"context_over_bandit": {"ratio": speedup[BANDIT_CONTEXT] / speedup[BANDIT], "by_round": ratios,
-                                          "standard_error": _standard_error(ratios)}}
-    return {**paired,"plain_step_seconds": {"intercept": line[0], "per_sequence": line[1]},
+    return {"plain_step_seconds": {"intercept": line[0], "per_sequence": line[1]},
             "plain_work_over_measured_steps": sum(base_work) / measured if measured > 0 else float("nan"),
             "speedup": speedup, "speedup_standard_error": {m: _standard_error(v) for m, v in by_round.items()},
             "work_over_no_speculation_by_round": work_ratio, "best_fixed": best, "over_best_fixed": over_best}
@@ -338,7 +318,7 @@ def _figures(runs: dict[str, list[ModeRun]], bandit_summary: dict, num_prompts: 
                "best_fixed": best_fixed, **over_best_fixed(BANDIT, "bandit"),
                "all_greedy_identical": None if sampled else all(m["greedy_identical"] for m in modes.values()),
                "bandit": bandit_summary}
-    for mode, key in ((VLLM_TABLE, "vllm_table"), (GOODPUT, "goodput"), (BANDIT_CONTEXT, "bandit_context")):
+    for mode, key in ((VLLM_TABLE, "vllm_table"), (GOODPUT, "goodput")):
         if mode in runs:
             figures.update(over_best_fixed(mode, key))
     equal_work = _equal_work(runs)
@@ -357,11 +337,6 @@ def _format_equal_work(equal_work: dict) -> list[str]:
                                        if mode != NO_SPECULATION)]
     for mode, over in equal_work["over_best_fixed"].items():
         lines.append(f"  {mode} / best fixed ({equal_work['best_fixed']}): {over['ratio']:.3f}; per round "
-                     + ", ".join(f"{r:.3f}" for r in over["by_round"])
-                     + f" (standard error of their mean {over['standard_error']:.3f})")
-    if "context_over_bandit" in equal_work:
-        over = equal_work["context_over_bandit"]
-        lines.append(f"  {BANDIT_CONTEXT} / {BANDIT}: {over['ratio']:.3f}; per round "
                      + ", ".join(f"{r:.3f}" for r in over["by_round"])
                      + f" (standard error of their mean {over['standard_error']:.3f})")
     return lines
@@ -422,8 +397,7 @@ def format_figures(figures: dict) -> str:
 
     table = format_table([tuple(entry) for entry in figures.get("vllm_table", [])])
     for key, label in (("goodput", f"goodput / best fixed ({figures['best_fixed']})"),
-                       ("vllm_table", f"vLLM table ({table}) / best fixed"),
-                       ("bandit_context", f"{BANDIT_CONTEXT} / best fixed")):
+                       ("vllm_table", f"vLLM table ({table}) / best fixed")):
         if f"{key}_over_best_fixed" in figures:
             lines.append(f"{label}: {figures[f'{key}_over_best_fixed']:.3f}; per round "
                          + ", ".join(f"{r:.3f}" for r in figures[f"{key}_over_best_fixed_by_round"])
@@ -434,11 +408,6 @@ def format_figures(figures: dict) -> str:
         lines.append(f"goodput's first rollout (untimed): {figures['goodput_cold_first_rollout_speedup']:.2f}x")
     lines.append("BEG-MAB's best depth per batch-size bucket: " + ", ".join(
         f"{bucket}: {v['best']}" for bucket, v in figures["bandit"].items() if v["best"] is not None))
-    if "bandit_context" in figures:
-        cells = figures["bandit_context"].items()
-        best = ", ".join(f"{cell}: {v['best']}" for cell, v in cells if v["best"] is not None)
-        lines.append(f"{BANDIT_CONTEXT}'s first rollout (untimed): "
-                     f"{figures['bandit_context_cold_first_rollout_speedup']:.2f}x; its best depth per cell: {best}")
     if "step_ms_by_bucket" in figures:
         lines.extend(_format_step_costs(figures["step_ms_by_bucket"]))
     if "equal_work" in figures:

@@ -5,9 +5,8 @@ read by the model runner; 0 turns drafting off for that step) when dynamic specu
 This subclass, given to vLLM by qualified name (``scheduler_cls``), sets that depth from its depth policy,
 ``speculation.policy``: BEG-MAB (``spec/bandit.py``, from the live batch size) or the goodput model
 (``spec/goodput.py``, from the live requests), and feeds it each step's outcome in ``update_from_output``:
-the step's time and tokens, and every request's drafts and how many of them were accepted (which BEG-MAB's
-``credit: shallower`` also reads). Nothing of
-vLLM is forked or patched. Settings arrive through ``additional_config[BANDIT_CONFIG_KEY]``, a plain
+the step's time and tokens, and every request's drafts and how many of them were accepted. Nothing of vLLM is
+forked or patched. Settings arrive through ``additional_config[BANDIT_CONFIG_KEY]``, a plain
 dict (vLLM hashes it as JSON): ``speculation.*`` as ``dataclasses.asdict`` gives it, plus the
 bandit's ``seed`` (``bandit_additional_config`` writes it, ``bandit_from_additional_config`` reads it).
 In an engine over several ranks the first rank's bandit chooses and the others follow it.
@@ -21,10 +20,6 @@ Reward = tokens the step produced (accepted drafts + one per sequence) / the ste
 accepted tokens x batch size / step time. The step's time runs from its ``schedule`` to the next one, so
 it holds all the engine does per step (model, drafter, sampling, output processing); the last step of
 a ``generate`` call has no next one in that call and is not credited.
-
-A step's context length (BEG-MAB's ``speculation.context_bucket_bounds``) is the mean over its live requests of
-their tokens so far, prompt and generated (vLLM's ``Request.num_tokens``, without the drafts in flight): the mean,
-because the step's reward sums every request's accepted drafts. The step is credited to the cell it was chosen in.
 """
 
 from __future__ import annotations
@@ -68,7 +63,6 @@ class _StepInFlight:
     batch_size: int
     depth: int
     decode_only: bool
-    context_tokens: float
 
 
 class AdaptiveSpeculationScheduler(Scheduler):
@@ -93,8 +87,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
         self._in_flight: _StepInFlight | None = None
         self._previous_depth: int | None = None  # of the drafts the next step verifies
         self._held_depth: int | None = None  # a new depth runs a second step, to be measured cleanly
-        # (batch, depth, tokens, start, accepted per request, context length) of a clean step
-        self._unclocked: tuple | None = None
+        self._unclocked: tuple | None = None  # (batch, depth, tokens, start) of a clean step
         self.clock = time.perf_counter
         """What times a step; a test gives a step counter instead, so that every reward is exact."""
 
@@ -127,43 +120,41 @@ class AdaptiveSpeculationScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         started = self.clock()
         if self._unclocked is not None:  # the previous step ends here: credit it
-            batch_size, depth, tokens, step_started, accepted, context_tokens = self._unclocked
+            batch_size, depth, tokens, step_started = self._unclocked
             self._unclocked = None
-            self.bandit.observe_step(batch_size, depth, tokens, started - step_started, accepted,
-                                     context_tokens=context_tokens)
+            self.bandit.observe_step(batch_size, depth, tokens, started - step_started)
         output = super().schedule(*args, **kwargs)
         batch_size = len(output.num_scheduled_tokens)
         if batch_size == 0:
             return output
         live = list(output.num_scheduled_tokens)
         self.bandit.forget_requests_except(live)
-        context_tokens = sum(self.requests[r].num_tokens for r in live) / batch_size
-        output.num_spec_tokens_to_schedule = depth = self._depth_for(batch_size, live, context_tokens)
+        output.num_spec_tokens_to_schedule = depth = self._depth_for(batch_size, live)
         spec = output.scheduled_spec_decode_tokens
         decode_only = not output.scheduled_new_reqs and all(
             tokens == 1 + len(spec.get(req_id, ())) for req_id, tokens in output.num_scheduled_tokens.items())
-        self._in_flight = _StepInFlight(started, batch_size, depth, decode_only, context_tokens)
+        self._in_flight = _StepInFlight(started, batch_size, depth, decode_only)
         self.step_log.append((batch_size, depth))
         return output
 
-    def _depth_for(self, batch_size: int, live: list[str], context_tokens: float) -> int:
+    def _depth_for(self, batch_size: int, live: list[str]) -> int:
         if self.pinned_depth is not None:  # pinned alike on every rank by the caller
             return self.pinned_depth
         if self.pinned_lookup is not None:
             return self.pinned_lookup[min(batch_size, len(self.pinned_lookup) - 1)]
         tp_group = get_tp_group()
         if tp_group.world_size == 1:
-            return self._bandit_depth(batch_size, live, context_tokens)
+            return self._bandit_depth(batch_size, live)
         # Every rank of a tensor-parallel engine runs its own scheduler, and they must agree on every
         # step (external_launcher's premise); rewards are timed per rank, so the first rank decides.
         return tp_group.broadcast_object(
-            self._bandit_depth(batch_size, live, context_tokens) if tp_group.rank_in_group == 0 else None)
+            self._bandit_depth(batch_size, live) if tp_group.rank_in_group == 0 else None)
 
-    def _bandit_depth(self, batch_size: int, live: list[str], context_tokens: float) -> int:
+    def _bandit_depth(self, batch_size: int, live: list[str]) -> int:
         if self._held_depth is not None:
             depth, self._held_depth = self._held_depth, None
             return depth
-        depth = self.bandit.choose(batch_size, live, context_tokens=context_tokens)
+        depth = self.bandit.choose(batch_size, live)
         if depth != self._previous_depth:
             self._held_depth = depth
         return depth
@@ -175,12 +166,11 @@ class AdaptiveSpeculationScheduler(Scheduler):
             return outputs
         outcomes = self._observe_drafts(scheduler_output, model_runner_output)
         self.draft_log.append(outcomes)
-        accepted = [count for _, count in outcomes]
         clean = step.decode_only and step.depth == self._previous_depth
         # pinned steps are not the bandit's choices: they would skew its pull counts
         if clean and not self.pinned and self.get_num_unfinished_requests() > 0:
             tokens = sum(len(ids) for ids in model_runner_output.sampled_token_ids or ())
-            self._unclocked = (step.batch_size, step.depth, tokens, step.started, accepted, step.context_tokens)
+            self._unclocked = (step.batch_size, step.depth, tokens, step.started)
         self._previous_depth = step.depth
         return outputs
 

@@ -27,7 +27,7 @@ import collections
 import dataclasses
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -98,10 +98,9 @@ class GoodputDepthModel:
             self._positions[k].reached += 1
             self._positions[k].accepted += k < accepted
 
-    def observe_step(self, batch_size: int, depth: int, tokens: int, seconds: float,
-                     accepted: Sequence[int] = (), context_tokens: float = 0) -> None:
-        """A clean decode step: ``batch_size`` requests at ``depth`` took ``seconds`` (``tokens``, ``accepted`` and
-        ``context_tokens`` are BEG-MAB's; this model counts acceptance per request, in ``observe_drafts``)."""
+    def observe_step(self, batch_size: int, depth: int, tokens: int, seconds: float) -> None:
+        """A clean decode step: ``batch_size`` requests at ``depth`` took ``seconds`` (``tokens`` is BEG-MAB's; this
+        model counts acceptance per request, in ``observe_drafts``)."""
         if depth not in self._pulls:
             raise ValueError(f"depth {depth} is not one of the arms {self._depths}.")
         if not (math.isfinite(seconds) and seconds > 0):
@@ -141,11 +140,9 @@ class GoodputDepthModel:
             return 1.0
         return (mine.accepted + _PRIOR_POSITIONS * prior) / (mine.reached + _PRIOR_POSITIONS) / prior
 
-    def choose(self, batch_size: int, live: Iterable[str] = (), context_tokens: float = 0) -> int:
+    def choose(self, batch_size: int, live: Iterable[str] = ()) -> int:
         """The depth for a step of ``batch_size`` requests, ``live`` naming them (unknown ones get the engine's
-        rate, as do the missing ones when fewer than ``batch_size`` are named). ``context_tokens`` is ignored:
-        each live request's own acceptance already follows its context, so ``speculation.context_bucket_bounds``
-        is BEG-MAB's alone."""
+        rate, as do the missing ones when fewer than ``batch_size`` are named)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         limit = self.settings.max_speculative_batch
@@ -218,8 +215,8 @@ class GoodputDepthModel:
     # ------------------------------------------------------------------ reports and state
 
     def summary(self) -> dict[str, dict]:
-        """Per batch-size bucket label (as BEG-MAB's without context buckets): the depth chosen at the bucket's
-        largest batch with the engine's rate, pulls per depth (over all buckets) and the predicted tokens/s per depth."""
+        """Per batch-size bucket label (as BEG-MAB's): the depth chosen at the bucket's largest batch with the
+        engine's rate, pulls per depth (over all buckets) and the predicted tokens/s per depth."""
         out = {}
         bounds = self.settings.bucket_bounds
         ready = self._ready

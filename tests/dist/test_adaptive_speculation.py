@@ -19,7 +19,6 @@ from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixtur
 
 K = 3
 PROMPTS = [[i, i + 1] for i in range(1, 9)]
-CONTEXTS = [32, 64]  # speculation.context_bucket_bounds of one check
 
 
 class _StepCounter:
@@ -98,16 +97,6 @@ def _adaptive_engine_on_rank(workdir: str):
             out["restored_summary"] = engine.bandit_summary()
             _goodput_on_the_same_engine(engine, fixture, depth_policy_for(
                 dataclasses.replace(bandit, policy="goodput", epsilon=0.0, window=300), K), greedy, out)
-            engine.load_drafter(fixture["good_drafter"])
-            engine.swap_depth_policy(depth_policy_for(dataclasses.replace(bandit, credit="shallower"), K))
-            engine.adaptive_scheduler().clock = _StepCounter()
-            engine.generate(PROMPTS, greedy)
-            out["shallower_state"] = engine.bandit_state()
-            # contexts grow from 2 to 98 tokens over the rollout: every context cell of batch 5-8 gets steps
-            engine.swap_depth_policy(depth_policy_for(dataclasses.replace(bandit, context_bucket_bounds=CONTEXTS), K))
-            engine.adaptive_scheduler().clock = _StepCounter()
-            engine.generate(PROMPTS, greedy)
-            out["context_summary"], out["context_state"] = engine.bandit_summary(), engine.bandit_state()
         finally:
             engine.close()
     return out
@@ -166,18 +155,6 @@ def test_rewards_are_credited_to_the_depth_that_earned_them(adaptive):
     assert bad == {k: batch * 1.0 for k in range(K + 1)}, bad
     assert adaptive["good_summary"]["5-8"]["best"] == K
     assert adaptive["bad_summary"]["5-8"]["best"] == 0
-
-
-def test_shallower_credit_reads_every_requests_accepted_drafts_from_vllm(adaptive):
-    """With the drafter that is always right, a depth-k step's requests each accepted k drafts, so every depth
-    below k is credited k' + 1 tokens per request; the shallow depths get more token counts than own steps."""
-    state = adaptive["shallower_state"]
-    bucket = 3  # batch 5-8 (bounds 1, 2, 4, 8): the 8 prompts
-    yields, rewards = state["yields"][bucket][0], state["rewards"][bucket][0]  # [batch][context bucket][depth]
-    for k in range(K + 1):
-        assert yields[k] and set(yields[k]) == {k + 1.0}, (k, yields[k])
-    assert all(len(yields[k]) > len(rewards[k]) for k in range(K)), (yields, rewards)
-    assert len(yields[K]) == len(rewards[K])
 
 
 def test_the_rollouts_speedup_estimate_weighs_each_step_by_its_depths_rate_over_depth_zeros(adaptive):
@@ -247,18 +224,3 @@ def test_goodput_runs_the_depth_of_the_most_tokens_per_unit_of_time(adaptive):
     # the bad one's drafts never reach them); their own first drafts take them to k = 0 within a few steps.
     bad = adaptive["goodput_bad_depths"]
     assert bad[0] > 0 and set(bad[6:]) == {0}, bad
-
-
-def test_with_context_buckets_each_step_is_chosen_and_credited_in_the_cell_of_its_mean_context(adaptive):
-    """The 8 requests grow together from 2 tokens to 98: the steps of batch 8 pass through contexts 1-32, 33-64
-    and 65+, and each cell learns from its own steps the exact tokens per step (k + 1 per sequence)."""
-    summary, state = adaptive["context_summary"], adaptive["context_state"]
-    assert state["settings"]["context_bucket_bounds"] == CONTEXTS
-    cells = [f"5-8, ctx {label}" for label in ("1-32", "33-64", "65+")]
-    assert [label for label in summary if label.startswith("5-8")] == cells
-    batch = len(PROMPTS)
-    for label in cells:
-        assert sum(summary[label]["pulls"].values()) > 0, summary
-        estimates = _estimates(summary[label])
-        assert estimates and estimates == {k: batch * (k + 1.0) for k in estimates}, (label, estimates)
-    assert all(sum(s["pulls"].values()) == 0 for label, s in summary.items() if not label.startswith("5-8"))

@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from megatron_tlt.config import ConfigError, SpeculationConfig, load_config
+from megatron_tlt.config import ConfigError, SpeculationConfig
 from megatron_tlt.spec.bandit import BanditConfigError, BucketedEpsilonGreedy
 
 MAX_DEPTH = 5
@@ -257,66 +257,6 @@ def test_block_means_shrug_off_outliers_in_a_minority_of_blocks():
     assert few.estimate(0, 2) == 200.0
 
 
-def test_a_step_credits_each_shallower_depth_with_the_tokens_its_first_drafts_would_have_made():
-    bandit = make(depths=(0, 1, 2, 3), credit="shallower")
-    # batch 4 at depth 3: the requests accepted 3, 1, 0 and 2 of their drafts, 10 tokens in 0.02 s
-    bandit.observe_step(4, 3, 10, 0.02, accepted=[3, 1, 0, 2])
-    yields = bandit.state_dict()["yields"][bandit.bucket_of(4)][0]  # [batch bucket][context bucket]
-    assert yields == [[1.0], [(4 + 1 + 1 + 0 + 1) / 4], [(4 + 2 + 1 + 0 + 2) / 4], [10 / 4]]
-    assert bandit.estimate(2, 3) == pytest.approx(10 / 4 * (4 / 0.02))  # tokens per request x requests/s
-    assert bandit.estimate(2, 1) is None  # measured tokens, but never timed: it is still untried
-    bandit.observe_step(3, 1, 5, 0.01, accepted=[1, 1, 0])
-    # depth 1's tokens per request: the block median of 7/4 (credited) and 5/3 (its own); its pace: 300/s
-    assert bandit.estimate(2, 1) == pytest.approx(statistics.median([7 / 4, 5 / 3]) * 300)
-    own = make(depths=(0, 1, 2, 3))
-    own.observe_step(4, 3, 10, 0.02, accepted=[3, 1, 0, 2])
-    assert own.estimate(2, 3) == pytest.approx(500.0)
-    assert own.state_dict()["yields"][2][0] == [[], [], [], []]
-
-
-def _batch1_step(bandit: BucketedEpsilonGreedy, rng: random.Random) -> int:
-    """A step at batch 1 on a drafter whose j-th draft survives with BATCH1_ACCEPT[j-1]: it yields 1..K+1 tokens."""
-    depth = bandit.choose(1)
-    accepted = 0
-    while accepted < depth and rng.random() < BATCH1_ACCEPT[accepted]:
-        accepted += 1
-    bandit.observe_step(1, depth, accepted + 1, batch1_seconds(depth), accepted=[accepted])
-    return depth
-
-
-BATCH1_ACCEPT = (0.85, 0.75, 0.6, 0.5, 0.4)
-
-
-def batch1_seconds(depth: int) -> float:
-    return 0.010 + 0.0012 * depth  # a step's time is smooth: the tokens are what is noisy at batch 1
-
-
-def batch1_throughput(depth: int) -> float:
-    survive, tokens = 1.0, 1.0
-    for rate in BATCH1_ACCEPT[:depth]:
-        survive *= rate
-        tokens += survive
-    return tokens / batch1_seconds(depth)
-
-
-def test_shallower_credit_picks_better_depths_where_rewards_are_noisy():
-    """At batch 1 a reward takes only K+1 values; credit from deeper steps gives the shallow depths many more
-    token counts. Over 40 seeded runs of 400 steps (the same seeds, the same world) the depth each run ends up
-    exploiting falls short of the best by 1.3% on average, against 2.2% with own credit."""
-    depths = tuple(range(MAX_DEPTH + 1))
-    best = max(batch1_throughput(k) for k in depths)
-    shortfall = {}
-    for credit in ("own", "shallower"):
-        runs = []
-        for seed in range(40):
-            bandit, rng = make(depths=depths, credit=credit, exploration="neighbours", seed=seed), random.Random(seed)
-            for _ in range(400):
-                _batch1_step(bandit, rng)
-            runs.append(1 - batch1_throughput(bandit.best_depth(0)) / best)
-        shortfall[credit] = statistics.fmean(runs)
-    assert shortfall["shallower"] < 0.75 * shortfall["own"], shortfall
-
-
 def test_observe_and_estimate_refuse_unknown_arms_and_buckets():
     bandit = make()
     with pytest.raises(ValueError, match="depth 4 is not one of the arms"):
@@ -346,26 +286,6 @@ def test_state_dict_round_trip_through_json_continues_identically():
     assert restored.summary() == original.summary()
     saved, again = json.loads(json.dumps(original.state_dict())), restored.state_dict()
     assert {k: v for k, v in again.items() if k != "settings"} == {k: v for k, v in saved.items() if k != "settings"}
-
-
-def test_shallower_credit_state_round_trips_and_a_state_saved_before_it_still_loads():
-    original, rng = make(depths=tuple(range(MAX_DEPTH + 1)), credit="shallower", seed=3), random.Random(4)
-    for _ in range(200):
-        _batch1_step(original, rng)
-    restored = make(depths=tuple(range(MAX_DEPTH + 1)), credit="shallower", seed=99)
-    restored.load_state_dict(json.loads(json.dumps(original.state_dict())))
-    rng_a, rng_b = random.Random(5), random.Random(5)
-    assert [_batch1_step(original, rng_a) for _ in range(100)] == [_batch1_step(restored, rng_b) for _ in range(100)]
-    assert restored.summary() == original.summary()
-
-    rng = random.Random(6)
-    bandit = make(epsilon=0.3)
-    for _ in range(50):
-        step(bandit, TABLE, rng, 0)
-    older = {k: v for k, v in bandit.state_dict().items() if k not in ("yields", "paces")}
-    again = make(credit="shallower")
-    again.load_state_dict(older)  # rewards only: each estimate is its rewards' until its own steps are timed
-    assert again.summary() == bandit.summary()
 
 
 def test_loading_state_with_other_arms_or_buckets_is_refused():
@@ -430,129 +350,31 @@ def test_without_depths_the_arms_are_every_depth_the_engine_is_built_for():
         BucketedEpsilonGreedy(SpeculationConfig(depths=[0, 4]), max_depth=3)
 
 
-# ---------------------------------------------------------------- context-length buckets (issue 42, item 3)
+# ---------------------------------------------------------------- states saved by earlier versions
 
-CONTEXT_BOUNDS = [256, 512]  # cells per batch bucket: contexts 1-256, 257-512, 513+
-
-
-def test_context_lengths_map_to_inclusive_buckets_and_each_cell_has_its_own_windows():
-    bandit = make(context_bucket_bounds=CONTEXT_BOUNDS)
-    assert bandit.num_buckets == 6 and bandit.num_context_buckets == 3 and len(bandit.cells()) == 18
-    cases = {0: 0, 1: 0, 256: 0, 256.5: 1, 257: 1, 512: 1, 513: 2, 10_000: 2}
-    assert {tokens: bandit.context_bucket_of(tokens) for tokens in cases} == cases
-    for bad in (-1, math.nan):
-        with pytest.raises(ValueError, match="context_tokens must be >= 0"):
-            bandit.context_bucket_of(bad)
-    # batch 1: short contexts reward depth 3, long ones depth 1 (acceptance falls with context)
-    for _ in range(5):
-        for k, reward in {0: 100.0, 1: 150.0, 2: 140.0, 3: 200.0}.items():
-            bandit.observe(0, k, reward, context_bucket=0)
-        for k, reward in {0: 100.0, 1: 130.0, 2: 110.0, 3: 90.0}.items():
-            bandit.observe(0, k, reward, context_bucket=2)
-    assert bandit.best_depth(0, 0) == 3 and bandit.best_depth(0, 2) == 1
-    assert bandit.estimate(0, 3, 0) == 200.0 and bandit.estimate(0, 3, 2) == 90.0
-    assert bandit.best_depth(0, 1) is None and bandit.estimate(0, 3, 1) is None  # the middle cell: never observed
-    assert bandit.best_depth(1, 0) is None  # nor another batch bucket
-    assert bandit.best_depth(0) == 3  # the context bucket defaults to the first
-    with pytest.raises(ValueError, match=r"context_bucket must be in \[0, 3\), got 3"):
-        bandit.observe(0, 1, 1.0, context_bucket=3)
-    with pytest.raises(ValueError, match="context_bucket must be in"):
-        bandit.estimate(0, 1, -1)
-
-
-def test_a_choice_is_made_from_the_cell_of_the_steps_batch_and_context():
-    bandit = make(context_bucket_bounds=CONTEXT_BOUNDS, epsilon=0.0)
-    short, long = {0: 100.0, 1: 150.0, 2: 140.0, 3: 200.0}, {0: 100.0, 1: 130.0, 2: 110.0, 3: 90.0}
-    for _ in range(3 * len(DEPTHS)):  # every arm's min_observations in both cells, as the engine credits steps
-        bandit.observe_step(1, depth := bandit.choose(1, context_tokens=100), int(short[depth]), 1.0)
-        bandit.observe_step(1, depth := bandit.choose(1, context_tokens=700), int(long[depth]), 1.0,
-                            context_tokens=700)
-    assert bandit.rate(1, 3, context_tokens=100) == 200.0 and bandit.rate(1, 3, context_tokens=700) == 90.0
-    assert [bandit.choose(1, context_tokens=c) for c in (50, 256, 513, 900)] == [3, 3, 1, 1]
-    # a cell not yet measured starts its own warm-up, untried arms first, even beside two learned ones
-    assert bandit.choose(1, context_tokens=300) == 0
-    summary = bandit.summary()
-    assert summary["1, ctx 1-256"]["pulls"] == {"0": 3, "1": 3, "2": 3, "3": 5}
-    assert summary["1, ctx 513+"]["pulls"] == {"0": 3, "1": 5, "2": 3, "3": 3}
-    assert summary["1, ctx 257-512"]["pulls"] == {"0": 1, "1": 0, "2": 0, "3": 0}
-    assert summary["1, ctx 513+"]["best"] == 1 and summary["2, ctx 1-256"]["best"] is None
-
-
-def test_a_step_is_credited_to_the_cell_of_its_context_with_shallower_credit_too():
-    bandit = make(context_bucket_bounds=CONTEXT_BOUNDS, credit="shallower")
-    bandit.observe_step(4, 3, 10, 0.02, accepted=[3, 1, 0, 2], context_tokens=600)
+def _old_state(bandit: BucketedEpsilonGreedy, version: int, context_bucket_bounds=()) -> dict:
+    """``bandit``'s state as an earlier bandit wrote it: version 2 beside the windows of credit "shallower"
+    (yields, paces), version 3 also with each batch bucket's arms under its one context bucket."""
     state = bandit.state_dict()
-    batch = bandit.bucket_of(4)
-    assert state["rewards"][batch][2][3] == [500.0] and state["rewards"][batch][0][3] == []
-    assert state["yields"][batch][2] == [[1.0], [7 / 4], [9 / 4], [10 / 4]]
-    assert state["yields"][batch][1] == [[], [], [], []]
-    assert bandit.estimate(batch, 3, 2) == pytest.approx(500.0) and bandit.estimate(batch, 3, 0) is None
+    old = {**state, "version": version, "settings": {**state["settings"], "credit": "shallower"}}
+    old["yields"] = [[[1.0] for _ in arms] for arms in state["rewards"]]
+    old["paces"] = [[[2.0] for _ in arms] for arms in state["rewards"]]
+    if version == 3:
+        old["settings"]["context_bucket_bounds"] = list(context_bucket_bounds)
+        for key in ("rewards", "yields", "paces", "pulls"):
+            old[key] = [[arms] for arms in old[key]]
+    return json.loads(json.dumps(old))
 
 
-def test_cell_labels_name_the_batch_and_context_ranges_and_stay_as_before_without_context_bounds():
-    bandit = make(context_bucket_bounds=CONTEXT_BOUNDS)
-    labels = list(bandit.summary())
-    assert labels[:4] == ["1, ctx 1-256", "1, ctx 257-512", "1, ctx 513+", "2, ctx 1-256"]
-    assert labels[-1] == "33+, ctx 513+" and len(labels) == 18
-    assert bandit.cell_label(2, 1) == "3-5, ctx 257-512" and bandit.bucket_label(2) == "3-5"
-    assert [make(context_bucket_bounds=[1, 2]).context_bucket_label(c) for c in range(3)] == ["1", "2", "3+"]
-    plain = make()
-    assert plain.num_context_buckets == 1 and plain.context_bucket_label(0) == "any"
-    assert list(plain.summary()) == ["1", "2", "3-5", "6-21", "22-32", "33+"]
-    assert plain.cell_label(2) == "3-5"
-
-
-def test_a_state_with_context_buckets_round_trips_through_json_and_continues_identically():
-    settings = dict(context_bucket_bounds=CONTEXT_BOUNDS, epsilon=0.3, window=20, credit="shallower")
-    original, rng = make(**settings, seed=10), random.Random(11)
-
-    def run(bandit, rng, steps):
-        depths = []
-        for _ in range(steps):
-            batch, context = rng.randint(1, 40), rng.choice((100, 300, 800))
-            depth = bandit.choose(batch, context_tokens=context)
-            accepted = [min(depth, rng.randint(0, 3)) for _ in range(batch)]
-            bandit.observe_step(batch, depth, batch + sum(accepted), 0.01 * (1 + depth / 4), accepted,
-                                context_tokens=context)
-            depths.append(depth)
-        return depths
-
-    run(original, rng, 400)
-    restored = make(**settings, seed=999)  # the loaded RNG state overrides the seed
-    restored.load_state_dict(json.loads(json.dumps(original.state_dict())))
-    assert restored.summary() == original.summary()
-    assert run(original, random.Random(12), 300) == run(restored, random.Random(12), 300)
-    assert without_settings(restored.state_dict()) == without_settings(original.state_dict())
-    assert original.state_dict()["settings"]["context_bucket_bounds"] == CONTEXT_BOUNDS
-
-
-def without_settings(state: dict) -> dict:
-    return {k: v for k, v in state.items() if k != "settings"}  # the seed given at construction differs
-
-
-def _batch_only_state(bandit: BucketedEpsilonGreedy) -> dict:
-    """``bandit``'s state (one context bucket) as the bandit wrote it before context buckets (version 2): the
-    windows and pulls indexed [batch bucket][arm], no context_bucket_bounds among the settings."""
-    state = bandit.state_dict()
-    assert state["settings"]["context_bucket_bounds"] == []
-    settings = {k: v for k, v in state["settings"].items() if k != "context_bucket_bounds"}
-    old = {"version": 2, "policy": "bandit", "settings": settings, "rng": state["rng"]}
-    for key in ("rewards", "yields", "paces", "pulls"):
-        old[key] = [contexts[0] for contexts in state[key]]
-    return old
-
-
-def test_a_state_saved_with_batch_buckets_only_loads_into_one_context_bucket():
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_state_saved_by_an_earlier_version_loads_its_rewards_and_continues_identically(version):
     before, rng = make(epsilon=0.3, seed=3), random.Random(4)
     for _ in range(300):
         step(before, TABLE, rng, rng.randrange(before.num_buckets))
-    old = json.loads(json.dumps(_batch_only_state(before)))
-    assert [len(arms) for arms in old["rewards"]] == [len(DEPTHS)] * 6  # [batch bucket][arm]
-
     after = make(epsilon=0.3, seed=99)
-    after.load_state_dict(old)
+    after.load_state_dict(_old_state(before, version))
+    # the windows of credit "shallower" are not read: every estimate is its rewards', as before
     assert after.summary() == before.summary()
-    # saved again in the new layout, one context bucket
     assert without_settings(after.state_dict()) == without_settings(before.state_dict())
     rng_a, rng_b = random.Random(5), random.Random(5)
     for _ in range(200):
@@ -560,30 +382,13 @@ def test_a_state_saved_with_batch_buckets_only_loads_into_one_context_bucket():
         assert rng_b.randrange(6) == bucket
         assert step(before, TABLE, rng_a, bucket) == step(after, TABLE, rng_b, bucket)
 
-    # its rewards mix every context length: a bandit with context buckets refuses it, as any change of buckets
-    with pytest.raises(BanditConfigError, match=r"saved context_bucket_bounds \(\) differ from this bandit's "
-                                                r"\(256, 512\) \(the state was saved before context buckets"):
-        make(context_bucket_bounds=CONTEXT_BOUNDS).load_state_dict(old)
-    with pytest.raises(BanditConfigError, match=r"saved context_bucket_bounds \(256, 512\) differ .* \(256,\)"):
-        make(context_bucket_bounds=[256]).load_state_dict(make(context_bucket_bounds=CONTEXT_BOUNDS).state_dict())
+
+def without_settings(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k != "settings"}  # the seed given at construction differs
 
 
-@pytest.mark.parametrize(("bounds", "message"), [
-    ([0], r"context_bucket_bounds must be whole token counts >= 1, got 0 in \[0\]"),
-    ([256, -1], "got -1 in"),
-    ([128.5], "got 128.5 in"),
-    ([True, 512], "got True in"),
-    ([512, 256], r"strictly increasing, got 512 then 256 in \[512, 256\]; the context buckets would overlap"),
-    ([256, 256], "got 256 then 256"),
-])
-def test_bad_context_bucket_bounds_are_refused(bounds, message):
-    with pytest.raises(ConfigError, match=message):
-        SpeculationConfig(context_bucket_bounds=bounds)
-
-
-def test_context_bucket_bounds_from_a_config_override():
-    assert load_config(None, []).speculation.context_bucket_bounds == []
-    config = load_config(None, ["speculation.context_bucket_bounds=[256,512]"])
-    assert config.speculation.context_bucket_bounds == [256, 512]
-    with pytest.raises(ConfigError, match="speculation.context_bucket_bounds must be strictly increasing"):
-        load_config(None, ["speculation.context_bucket_bounds=[512,256]"])
+def test_a_state_saved_with_context_buckets_is_refused():
+    """speculation.context_bucket_bounds is gone: each cell of such a state holds only some context lengths."""
+    with pytest.raises(BanditConfigError, match=r"saved context_bucket_bounds \(256, 512\): the state was saved "
+                                                r"with context buckets, an option since removed"):
+        make().load_state_dict(_old_state(make(), 3, context_bucket_bounds=[256, 512]))

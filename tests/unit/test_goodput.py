@@ -162,20 +162,3 @@ def test_speculation_policy_names_the_model():
 def test_a_window_too_small_to_try_every_depth_is_refused():
     with pytest.raises(BanditConfigError, match=r"window=10 cannot hold min_observations=3 steps of each of the 6"):
         make(window=10)
-
-
-def test_the_goodput_model_ignores_context_buckets():
-    """``speculation.context_bucket_bounds`` splits BEG-MAB's cells; the goodput model reads each request's own
-    acceptance instead, so the same steps give the same choices and its summary keeps batch-size labels."""
-    plain = GoodputDepthModel(SpeculationConfig(depths=[0, 1, 2, 3]), max_depth=3, seed=1)
-    split = GoodputDepthModel(SpeculationConfig(depths=[0, 1, 2, 3], context_bucket_bounds=[256, 512]),
-                              max_depth=3, seed=1)
-    for model in (plain, split):
-        for step in range(60):
-            context = 100 + 20 * step
-            depth = model.choose(4, ["a", "b"], context_tokens=context)
-            for request in ("a", "b"):
-                model.observe_drafts(request, depth, min(depth, 2))
-            model.observe_step(4, depth, 4 + 2 * depth, 0.01 * (1 + depth / 4), context_tokens=context)
-    assert split.state_dict() == plain.state_dict()
-    assert list(split.summary()) == list(plain.summary()) == ["1", "2", "3-5", "6-21", "22-32", "33+"]

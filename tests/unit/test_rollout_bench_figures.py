@@ -124,22 +124,3 @@ def test_on_equal_work_a_mode_that_drew_longer_responses_is_not_charged_for_them
     text = format_figures(figures)
     assert "speedup: K=2 2.00x (+-0.000), BEG-MAB 2.00x (+-0.000)" in text
     assert "BEG-MAB / best fixed (K=2): 1.000; per round 1.000, 1.000 (standard error of their mean 0.000)" in text
-
-
-def test_with_context_buckets_the_two_bandits_are_paired_round_by_round_on_equal_work():
-    from megatron_tlt.commands.bench_rollout import BANDIT_CONTEXT
-
-    short, long_ = [11, 6], [21, 6]  # 10 and 20 plain steps
-    runs = {NO_SPECULATION: [_sampled(1.0, short), _sampled(2.0, long_)],
-            "K=2": [_sampled(0.5, short), _sampled(1.0, long_)],  # 2x
-            BANDIT: [_sampled(0.5, short), _sampled(1.0, long_)],  # 2x
-            BANDIT_CONTEXT: [_sampled(1.0, long_), _sampled(0.4, short)]}  # 2x, then 2.5x on its own draws
-    figures = _figures(runs, {}, num_prompts=1, sampled=True)
-    paired = figures["equal_work"]["context_over_bandit"]
-    assert paired["by_round"] == pytest.approx([1.0, 1.25])
-    assert paired["ratio"] == pytest.approx((3.0 / 1.4) / 2.0)
-    figures.update(bandit_cold_first_rollout_speedup=1.0, bandit_context_cold_first_rollout_speedup=1.0,
-                   bandit_context={"1, ctx 1-256": {"best": 2}})
-    text = format_figures(figures)
-    assert "BEG-MAB ctx / BEG-MAB: 1.071; per round 1.000, 1.250" in text
-    assert "its best depth per cell: 1, ctx 1-256: 2" in text
