@@ -10,7 +10,7 @@ One process on the core and thread of one `tlt train` rank, as `tlt bench rollou
 with the config's cold-start drafter samples new held-out prompts each round at the RL temperature, pinned at each
 depth of --depths in turn (a first, untimed round warms it up). Every step's time gives each batch-size bucket a
 step-cost line in depth; the deepest run records how many drafts each request accepted at each step (the trace).
-From them (``megatron_tlt/spec/depth_headroom.py``) it prints the time the traced work would take
+From them (``bench/depth_ceilings.py``) it prints the time the traced work would take
   * at each fixed depth 0..deepest,
   * at the best depth of each batch-size bucket: the ceiling of BEG-MAB and of vLLM's per-batch-size table,
   * at the best depth per bucket and per the requests' last outcome: the ceiling of a policy that reads
@@ -39,7 +39,6 @@ CONFIG = "tiny"
 def _measure(args: argparse.Namespace) -> dict:
     """The trace record: the deepest depth, the buckets, the deepest runs' acceptance lengths, (batch, depth,
     seconds) of every timed step, and the deepest runs' steps ((request, accepted) of each request)."""
-    from megatron_tlt.commands.bench_rollout import _prompt_sets
     from megatron_tlt.commands.start import cold_start_drafter
     from megatron_tlt.config import load_config
     from megatron_tlt.drafter import store
@@ -47,12 +46,14 @@ def _measure(args: argparse.Namespace) -> dict:
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl.rank_session import RankSession
     from megatron_tlt.spec.engine import SpeculativeSettings
+    from rollout_bench import prompt_sets  # a sibling: bench/ is the script's folder
 
     config = load_config(CONFIG, args.overrides)
     config.data.held_out_prompts = max(config.data.held_out_prompts, args.prompts * (args.rounds + 1))
     drafter_dir = cold_start_drafter(CONFIG, args.overrides)
     deepest = max(args.depths)
-    # an engine whose depth can be pinned per rollout (the adaptive scheduler), speculating up to the deepest depth
+    # an engine whose depth can be pinned per rollout (its adaptive scheduler's pin_depth: the engine has no method
+    # for a bench's pins), speculating up to the deepest depth
     adaptive = dataclasses.replace(config.speculation, adaptive=True, depths=sorted({0, *args.depths}))
     speculation = SpeculativeSettings(num_speculative_tokens=deepest, adaptive=adaptive, seed=config.trainer.seed,
                                       draft_sampling=config.speculation.draft_sampling)
@@ -63,13 +64,13 @@ def _measure(args: argparse.Namespace) -> dict:
         engine = session.open_engine(Path(workdir) / "spec", speculative=speculation, drafter=drafter)
         try:
             session.sync(engine, drafter)
-            prompt_sets = _prompt_sets([e.prompt_ids for e in session.task.held_out], args.prompts, rotate=True)
+            rollouts = prompt_sets([e.prompt_ids for e in session.task.held_out], args.prompts, rotate=True)
             sampling = session.sampling(n=config.rollout.samples_per_prompt, temperature=config.rollout.temperature,
                                         seed=None)
             for round_index in range(-1, args.rounds):  # round -1: untimed warm-up
-                prompts = next(prompt_sets)
+                prompts = next(rollouts)
                 for depth in args.depths:
-                    engine.pin_speculation_depth(depth)
+                    engine.adaptive_scheduler().pin_depth(depth)
                     result = engine.generate(prompts, sampling)
                     if round_index < 0:
                         continue
@@ -112,7 +113,7 @@ def main() -> None:
     run_like_rank_zero_of(2)  # before torch starts its threads: the core and threads of a tlt train rank
     from megatron_tlt.config import SpeculationConfig
     from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
-    from megatron_tlt.spec.depth_headroom import StepCost, headroom
+    from depth_ceilings import StepCost, headroom  # a sibling: bench/ is the script's folder
 
     if args.trace:
         record = json.loads(Path(args.trace).read_text())

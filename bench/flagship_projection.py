@@ -14,7 +14,7 @@ a tensor-parallel shard's rows, a model of its collectives (``comm_seconds``). P
   * no speculation (K = 0 at every step), every fixed depth of --depths and the best of them;
   * the best depth per batch-size bucket (the buckets of ``speculation.bucket_bounds``, BEG-MAB's), found by
     coordinate descent from the best fixed depth, in-sample: a ceiling of any choice by batch size that pays
-    nothing to explore (as ``megatron_tlt/spec/depth_headroom.py``'s, but simulated rather than on equal work).
+    nothing to explore (as ``bench/depth_ceilings.py``'s, but simulated rather than on equal work).
 End to end (Amdahl): a TLT-off step is rollout (share s) and the rest; TLT speeds the rollout r times and puts
 c of a TLT-off step of drafter training on the critical path: speedup = 1 / ((1 - s) + s / r + c).
 Not modelled: prefill, the KV context growing through the rollout (the kernels' --context is fixed), admission

@@ -79,7 +79,8 @@ def _cmd_warmup_drafter(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_rollout(args: argparse.Namespace) -> int:
-    from megatron_tlt.commands.bench_rollout import RolloutBenchSettings, format_figures, write_figures
+    from megatron_tlt.commands.bench_rollout import (RolloutBenchSettings, format_figures, parse_vllm_table,
+                                                     write_figures)
     from megatron_tlt.commands.start import start_rollout_bench
 
     try:
@@ -88,9 +89,7 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
         raise ValueError(f"--depths must be comma-separated integers, got '{args.depths}'") from None
     table = None
     if args.vllm_table is not None:
-        from megatron_tlt.spec.depth_table import parse_table
-
-        table = parse_table(args.vllm_table)
+        table = parse_vllm_table(args.vllm_table)
         if max(depth for _, _, depth in table) > max(depths):
             raise ValueError(f"--vllm-table {args.vllm_table}: a depth above the deepest of --depths ({max(depths)})")
     settings = RolloutBenchSettings(prompts=args.prompts, depths=depths, rounds=args.rounds, sampled=args.sampled,

@@ -29,7 +29,6 @@ import time
 
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
 from megatron_tlt.config import SpeculationConfig
 from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
@@ -76,14 +75,14 @@ class AdaptiveSpeculationScheduler(Scheduler):
         self.bandit = bandit_from_additional_config(vllm_config.additional_config, self.num_spec_tokens)
         """The depth policy: BEG-MAB or the goodput model (``speculation.policy``)."""
         self.pinned_depth: int | None = None
-        """A fixed depth for every step instead of the bandit's choice (benchmarks); None: the bandit."""
-        self.pinned_lookup: list[int] | None = None
-        """Depth by batch size from a pinned vLLM table (``pin_depth_table``); None: not pinned."""
+        """A fixed depth for every step instead of the policy's choice (the acceptance probe's full depth, a
+        suspended drafter's 0, a benchmark's fixed depth); None: the policy."""
         self.step_log: list[tuple[int, int]] = []
         """(batch size, depth) of every step since the engine last drained it."""
         self.draft_log: list[list[tuple[str, int]]] = []
         """Per step since the engine last drained it: (request, drafts accepted) of each request whose drafts the
-        step verified (``spec/depth_headroom.py`` reads the outcomes of a rollout at the deepest depth)."""
+        step verified (``RolloutResult.step_drafts``; ``bench/depth_headroom.py`` reads a rollout's at the deepest
+        depth)."""
         self._in_flight: _StepInFlight | None = None
         self._previous_depth: int | None = None  # of the drafts the next step verifies
         self._held_depth: int | None = None  # a new depth runs a second step, to be measured cleanly
@@ -96,26 +95,10 @@ class AdaptiveSpeculationScheduler(Scheduler):
             raise ValueError(f"depth {depth} outside 0..{self.num_spec_tokens} (the engine's maximum)")
         self.pinned_depth = depth
 
-    def pin_depth_table(self, table: list[tuple[int, int, int]] | None) -> None:
-        """Run each step at the depth that a ``num_speculative_tokens_per_batch_size`` table gives its batch size
-        (first batch, last batch, depth), expanded by vLLM's own function as its stock scheduler expands the
-        configured table: vLLM's static per-batch-size speculation, as a baseline. None: back to the policy."""
-        if table is None:
-            self.pinned_lookup = None
-            return
-        if not all(0 <= depth <= self.num_spec_tokens for _, _, depth in table):
-            raise ValueError(f"table {table}: depths must lie in 0..{self.num_spec_tokens} (the engine's maximum)")
-        lookup = build_dynamic_sd_schedule_lookup(
-            [list(entry) for entry in table], vllm_max_batch_size=self.scheduler_config.max_num_seqs,
-            vllm_num_speculative_tokens=max(self.num_spec_tokens, 1))
-        # never deeper than the engine's own table: above speculation.max_speculative_batch it gives 0 and
-        # no speculative shapes (CUDA graphs) exist there
-        self.pinned_lookup = [min(depth, allowed) for depth, allowed in zip(lookup, self.dynamic_sd_lookup)]
-
     @property
     def pinned(self) -> bool:
-        """Whether a benchmark fixed the depths (the policy then neither chooses nor learns)."""
-        return self.pinned_depth is not None or self.pinned_lookup is not None
+        """Whether the depth is pinned (the policy then neither chooses nor learns)."""
+        return self.pinned_depth is not None
 
     def schedule(self, *args, **kwargs):
         started = self.clock()
@@ -140,8 +123,6 @@ class AdaptiveSpeculationScheduler(Scheduler):
     def _depth_for(self, batch_size: int, live: list[str]) -> int:
         if self.pinned_depth is not None:  # pinned alike on every rank by the caller
             return self.pinned_depth
-        if self.pinned_lookup is not None:
-            return self.pinned_lookup[min(batch_size, len(self.pinned_lookup) - 1)]
         tp_group = get_tp_group()
         if tp_group.world_size == 1:
             return self._bandit_depth(batch_size, live)

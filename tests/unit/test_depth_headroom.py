@@ -1,8 +1,10 @@
-"""The ceilings of adaptive speculation depth against fixed depths, from a trace (``spec/depth_headroom.py``)."""
+"""The ceilings of adaptive speculation depth against fixed depths, from a trace (``bench/depth_ceilings.py``)."""
 
 import pytest
+from script_modules import load_script
 
-from megatron_tlt.spec.depth_headroom import StepCost, headroom
+depth_ceilings = load_script("bench/depth_ceilings.py", "depth_ceilings")
+StepCost, headroom = depth_ceilings.StepCost, depth_ceilings.headroom
 
 BOUNDS = (1,)  # two buckets: batch 1, and 2 or more
 

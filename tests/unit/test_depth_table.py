@@ -1,9 +1,11 @@
-"""vLLM's static per-batch-size depth table, written from a sweep of fixed depths (``spec/depth_table.py``)."""
+"""vLLM's static per-batch-size depth table, written from a sweep of fixed depths (``bench/depth_table.py``)."""
 
 import pytest
+from script_modules import load_script
 
-from megatron_tlt.spec.depth_table import (DepthSweepRun, bucket_ranges, format_table, parse_table,
-                                           table_from_sweep)
+depth_table = load_script("bench/depth_table.py", "depth_table")
+DepthSweepRun, table_from_sweep = depth_table.DepthSweepRun, depth_table.table_from_sweep
+bucket_ranges, format_table, parse_table = depth_table.bucket_ranges, depth_table.format_table, depth_table.parse_table
 
 BOUNDS = [1, 2, 5, 21, 32]  # TLT's buckets: 1, 2, 3-5, 6-21, 22-32, 33+
 

@@ -1,28 +1,37 @@
-"""`tlt bench rollout`'s arithmetic on synthetic runs: speedups, the long-tail phase, the lossless check."""
+"""`tlt bench rollout`'s arithmetic on synthetic runs (bench/rollout_figures.py, bench/rollout_bench.py): speedups,
+the long-tail phase, the lossless check."""
 
 import pytest
+from script_modules import load_script
 
-from megatron_tlt.commands.bench_rollout import (BANDIT, NO_SPECULATION, ModeRun, RolloutBenchSettings, _by_bucket,
-                                             _figures, _format_step_costs, _prompt_sets, _tail_seconds, format_figures,
-                                             plain_decoding_work, plain_step_line)
+from megatron_tlt.commands.bench_rollout import RolloutBenchSettings
 from megatron_tlt.config import SpeculationConfig
+
+# under the names bench/'s modules import each other by
+figures_module = load_script("bench/rollout_figures.py", "rollout_figures")
+prompt_sets = load_script("bench/rollout_bench.py", "rollout_bench").prompt_sets
+BANDIT, NO_SPECULATION, ModeRun = figures_module.BANDIT, figures_module.NO_SPECULATION, figures_module.ModeRun
+by_bucket, mode_figures = figures_module.by_bucket, figures_module.mode_figures
+format_figures, format_step_costs = figures_module.format_figures, figures_module.format_step_costs
+tail_seconds = figures_module.tail_seconds
+plain_decoding_work, plain_step_line = figures_module.plain_decoding_work, figures_module.plain_step_line
 
 
 def _run(seconds: float, tokens=((1, 2, 3),), batches=(4, 4, 2, 1), steps=(0.1, 0.1, 0.2, 0.3)) -> ModeRun:
-    return ModeRun(seconds=seconds, tokens=60, tail_seconds=_tail_seconds(list(batches), list(steps)),
+    return ModeRun(seconds=seconds, tokens=60, tail_seconds=tail_seconds(list(batches), list(steps)),
                    acceptance_length=2.0, token_ids=[[list(t)] for t in tokens], step_batch_sizes=list(batches),
                    step_seconds=list(steps))
 
 
 def test_the_long_tail_is_the_steps_once_half_the_sequences_are_done():
-    assert _tail_seconds([8, 8, 5, 4, 2, 1], [1, 1, 1, 1, 1, 1]) == 3  # batches 4, 2, 1
-    assert _tail_seconds([], []) == 0.0
+    assert tail_seconds([8, 8, 5, 4, 2, 1], [1, 1, 1, 1, 1, 1]) == 3  # batches 4, 2, 1
+    assert tail_seconds([], []) == 0.0
 
 
 def test_speedups_are_against_no_speculation_and_the_bandit_against_the_best_fixed_depth():
     runs = {NO_SPECULATION: [_run(2.0), _run(2.0)], "K=1": [_run(1.6), _run(1.6)], "K=2": [_run(1.0), _run(1.0)],
             BANDIT: [_run(1.25), _run(1.0)]}
-    figures = _figures(runs, {"1": {"best": 2, "pulls": {}, "estimates": {}}}, num_prompts=3)
+    figures = mode_figures(runs, {"1": {"best": 2, "pulls": {}, "estimates": {}}}, num_prompts=3)
     assert figures["modes"]["K=2"]["speedup"] == pytest.approx(2.0)
     assert figures["best_fixed"] == "K=2" and figures["bandit_over_best_fixed"] == pytest.approx(2.0 / 2.25)
     # paired per round: K=2's time over BEG-MAB's in the same round
@@ -37,14 +46,14 @@ def test_speedups_are_against_no_speculation_and_the_bandit_against_the_best_fix
 
 def test_an_output_that_differs_from_no_speculation_is_reported():
     runs = {NO_SPECULATION: [_run(2.0)], "K=1": [_run(1.0, tokens=((1, 2, 4),))], BANDIT: [_run(1.0)]}
-    figures = _figures(runs, {}, num_prompts=1)
+    figures = mode_figures(runs, {}, num_prompts=1)
     assert not figures["modes"]["K=1"]["greedy_identical"] and not figures["all_greedy_identical"]
 
 
 def test_sampled_rollouts_are_timed_paired_but_their_outputs_are_not_compared():
     runs = {NO_SPECULATION: [_run(2.0), _run(3.0)], "K=1": [_run(1.0, tokens=((1, 2, 4),)), _run(2.0)],
             BANDIT: [_run(1.0), _run(1.0)]}
-    figures = _figures(runs, {}, num_prompts=1, sampled=True)
+    figures = mode_figures(runs, {}, num_prompts=1, sampled=True)
     assert figures["modes"]["K=1"]["greedy_identical"] is None and figures["all_greedy_identical"] is None
     # no speculation / K=1 per round: 2.0 and 1.5, so a standard error of 0.25
     assert figures["modes"]["K=1"]["speedup_by_round_standard_error"] == pytest.approx(0.25)
@@ -54,12 +63,12 @@ def test_sampled_rollouts_are_timed_paired_but_their_outputs_are_not_compared():
 
 
 def test_each_rollout_takes_the_next_prompts_of_the_pool_wrapping_round():
-    sets = _prompt_sets(list("abcde"), 2, rotate=True)
+    sets = prompt_sets(list("abcde"), 2, rotate=True)
     assert [next(sets) for _ in range(4)] == [["a", "b"], ["c", "d"], ["e", "a"], ["b", "c"]]
-    same = _prompt_sets(list("abcde"), 2, rotate=False)
+    same = prompt_sets(list("abcde"), 2, rotate=False)
     assert [next(same) for _ in range(2)] == [["a", "b"], ["a", "b"]]
     with pytest.raises(ValueError, match="no prompts"):
-        next(_prompt_sets([], 2, rotate=True))
+        next(prompt_sets([], 2, rotate=True))
     # the warm-up round, the bandit's learning rollouts and the timed rounds each get their own prompts
     assert RolloutBenchSettings(rounds=8, bandit_warmup_rollouts=20).rollouts == 29
 
@@ -68,7 +77,7 @@ def test_outputs_are_compared_with_no_speculation_round_by_round():
     rounds = [((1, 2),), ((3, 4),)]  # each round has its own prompts, so its own reference
     runs = {NO_SPECULATION: [_run(2.0, tokens=t) for t in rounds], "K=1": [_run(1.0, tokens=t) for t in rounds],
             BANDIT: [_run(1.0, tokens=rounds[0]), _run(1.0, tokens=rounds[0])]}
-    figures = _figures(runs, {}, num_prompts=1)
+    figures = mode_figures(runs, {}, num_prompts=1)
     assert figures["modes"]["K=1"]["greedy_identical"]
     assert not figures["modes"][BANDIT]["greedy_identical"]
 
@@ -77,10 +86,10 @@ def test_a_fixed_depths_step_cost_per_bucket_is_in_plain_steps_of_the_same_bucke
     # buckets 1, 2, 3-5, 6-21, ...: two rollouts each, a crowded start and a lone request at the end
     runs = {NO_SPECULATION: [_run(1.0, batches=(8, 1), steps=(0.010, 0.005))] * 2,
             "K=4": [_run(1.0, batches=(8, 1, 1), steps=(0.026, 0.007, 0.007))] * 2}
-    seconds, step_ms = _by_bucket(runs, SpeculationConfig(depths=[0, 4]))
+    seconds, step_ms = by_bucket(runs, SpeculationConfig(depths=[0, 4]))
     assert seconds["K=4"] == pytest.approx({"6-21": 0.026, "1": 0.014})  # per rollout
     assert step_ms["K=4"] == pytest.approx({"6-21": 26.0, "1": 7.0})  # per step
-    lines = _format_step_costs(step_ms)
+    lines = format_step_costs(step_ms)
     assert lines[0] == "mean step per batch-size bucket: no speculation 1: 5.00 ms, 6-21: 10.00 ms"
     assert lines[1] == "  K=4 in plain steps: 1: 1.40, 6-21: 2.60"
 
@@ -109,7 +118,7 @@ def test_on_equal_work_a_mode_that_drew_longer_responses_is_not_charged_for_them
     runs = {NO_SPECULATION: [_sampled(1.0, short), _sampled(2.0, long_)],
             "K=2": [_sampled(1.0, long_), _sampled(0.5, short)],  # 2x on either draw, its long one first
             BANDIT: [_sampled(0.5, short), _sampled(1.0, long_)]}  # also 2x
-    figures = _figures(runs, {}, num_prompts=1, sampled=True)
+    figures = mode_figures(runs, {}, num_prompts=1, sampled=True)
     # by wall time the draws decide each round: K=2 / BEG-MAB reads 2.0 and 0.5 where both ran at 2x
     assert figures["modes"]["K=2"]["speedup"] == pytest.approx(3.0 / 1.5)
     assert figures["bandit_over_best_fixed_by_round"] == pytest.approx([2.0, 0.5])

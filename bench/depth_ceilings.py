@@ -1,4 +1,5 @@
-"""How much could an adaptive speculation depth gain over the best fixed depth? Ceilings, from a trace.
+"""How much could an adaptive speculation depth gain over the best fixed depth? Ceilings, from a trace
+(``bench/depth_headroom.py`` records the trace and prints them).
 
 A rollout speculating at the deepest depth Kmax records, at every engine step, how many of its Kmax drafts each
 request accepted (``RolloutResult.step_drafts``). A request that accepted ``a`` of Kmax drafts would have accepted
