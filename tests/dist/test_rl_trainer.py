@@ -599,9 +599,9 @@ def test_speculative_rollouts_with_beg_mab_report_depths_and_keep_the_bandit_acr
     # A pull is a choice; a new depth then runs one more, held step without one, so at least half of
     # rank 0's engine steps over all RL steps were pulls of this one bandit.
     rank0_rollout_steps = sum(r["spec/engine_steps"][0] for r in records)
-    # indexed [batch bucket][context bucket][depth]
-    assert sum(sum(pulls) for bucket in bandit["pulls"] for pulls in bucket) >= rank0_rollout_steps / 2
-    assert sum(len(w) for bucket in bandit["rewards"] for cell in bucket for w in cell) > 0
+    # indexed [batch bucket][depth] (state version 4)
+    assert sum(sum(pulls) for pulls in bandit["pulls"]) >= rank0_rollout_steps / 2
+    assert sum(len(window) for arms in bandit["rewards"] for window in arms) > 0
 
 
 def test_the_drafters_are_measured_on_a_held_out_slice_every_step_and_pushed_through_the_gate(spot_run):
