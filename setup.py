@@ -27,7 +27,7 @@ setup(
         "safetensors>=0.4",
         "sentencepiece>=0.2",
         "tokenizers>=0.20",
-        "omegaconf>=2.3",
+        "omegaconf>=2.4",  # Literal-typed choices
         "tensorboard>=2.15",
         "wandb>=0.19",  # trainer.loggers=[...,wandb]; offline by default
         "matplotlib>=3.7",  # RUN_DIR/timeline_last_step.png

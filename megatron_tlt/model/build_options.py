@@ -6,9 +6,11 @@ parallelism. A light module (no torch): the config validates against it, ``model
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
 
-ATTENTIONS = ("sdpa", "local", "te")
-RECOMPUTES = ("none", "selective", "full")
+Attention = Literal["sdpa", "local", "te"]
+Recompute = Literal["none", "selective", "full"]
+ATTENTIONS, RECOMPUTES = get_args(Attention), get_args(Recompute)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

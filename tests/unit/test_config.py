@@ -1,8 +1,10 @@
 import dataclasses
+import re
 
 import pytest
 
 from megatron_tlt.config import (
+    REMOVED_KEYS,
     AlgorithmConfig,
     ConfigError,
     DataConfig,
@@ -42,6 +44,19 @@ def test_an_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
         load_config(str(path))
 
 
+@pytest.mark.parametrize("key", ["speculation.credit", "speculation.context_bucket_bounds"])
+def test_a_removed_speculation_key_is_refused_with_why_it_went_in_an_override_or_a_yaml_file(key, tmp_path):
+    value = {"speculation.credit": "own", "speculation.context_bucket_bounds": "[256, 512]"}[key]
+    with pytest.raises(ConfigError, match=rf"config key '{key}' in the command line was removed: "
+                                          rf"{re.escape(REMOVED_KEYS[key])}"):
+        load_config("tiny", [f"{key}={value}"])
+    path = tmp_path / "mine.yaml"
+    section, name = key.split(".")
+    path.write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"config key '{key}' in .*mine.yaml was removed"):
+        load_config(str(path))
+
+
 def test_a_value_of_the_wrong_type_names_the_key():
     with pytest.raises(ConfigError, match=r"trainer.steps"):
         load_config(None, ["trainer.steps=many"])
@@ -60,7 +75,7 @@ def test_bad_names_and_malformed_overrides_are_refused():
     ("rollout.top_p=0", "top_p must be in"),
     ("parallel.tensor_parallel_size=0", "parallel.tensor_parallel_size must be >= 1"),
     ("model.dtype=float8", "model.dtype must be"),
-    ("optimizer.lr_decay_style=exp", "lr_decay_style must be constant, linear or cosine"),
+    ("optimizer.lr_decay_style=exp", "optimizer.lr_decay_style must be one of constant, linear, cosine"),
     ("optimizer.min_lr=1", "0 <= min_lr <= lr"),
     ("warmup.other_answer_format_share=1.5", "other_answer_format_share must be in"),
     ("warmup.check_share=1.0", "check_share must be in \\[0, 1\\)"),
@@ -98,12 +113,12 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path):
     (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.epsilon=-0.1"],
      r"speculation.epsilon must be in \[0, 1\]"),
     (["drafter.unroll_steps=0"], r"drafter.unroll_steps must be >= 1 \(1: no unrolling\), got 0"),
-    (["drafter.schedule=after"], r"drafter.schedule must be idle or serial, got 'after'"),
+    (["drafter.schedule=after"], r"drafter.schedule must be one of idle, serial, got 'after'"),
     (["drafter.spot_training=true", "drafter.schedule=serial"],
      r"drafter.schedule=serial .* needs drafter.spot_training=true and drafter.serial_tokens >= 1, got "
      r"spot_training=true, serial_tokens=0"),
     (["drafter.speculative_tokens=3", "speculation.draft_sampling=sampled"],
-     r"speculation.draft_sampling must be probabilistic or greedy, got 'sampled'"),
+     r"speculation.draft_sampling must be one of probabilistic, greedy, got 'sampled'"),
 ])
 def test_bad_bandit_settings_are_refused_at_start_up(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -138,7 +153,7 @@ def test_other_arms_are_a_replace_of_the_section_and_are_checked_again():
     (lambda: TrainerConfig(micro_batch_size=0), "trainer.micro_batch_size must be >= 1, got 0"),
     (lambda: RolloutConfig(top_p=1.5), r"rollout.top_p must be in \(0, 1\]"),
     (lambda: AlgorithmConfig(advantage="ppo"), "algorithm.advantage must be one of grpo, rloo, got 'ppo'"),
-    (lambda: DrafterConfig(precision="fp4"), "drafter.precision must be auto, fp32, bf16, fp8, got 'fp4'"),
+    (lambda: DrafterConfig(precision="fp4"), "drafter.precision must be one of auto, fp32, bf16, fp8, got 'fp4'"),
     (lambda: SpeculationConfig(window=10, median_blocks=11),
      r"speculation.median_blocks must be in \[1, window=10\], got 11"),
     (lambda: DataConfig(reward_workers=-1), r"data.reward_workers must be >= 0 \(0: score inline\), got -1"),
@@ -192,10 +207,12 @@ def test_help_config_prints_every_key_with_its_type_default_and_docstring(capsys
     out = capsys.readouterr().out
     for key in valid_keys():
         assert f"  {key} (" in out, key
-    assert "  rollout.temperature (float, default 1.0)" in out
-    assert "  speculation.depths (list[int] | None, default null)" in out
+    # what `tlt train` runs, and the field's own default where tiny.yaml sets another
+    assert "  rollout.temperature (float; `tlt train`: 1.0)" in out
+    assert "  drafter.speculative_tokens (int; `tlt train`: 8; field default 0)" in out
+    assert "  speculation.depths (list[int] | None; `tlt train`: null)" in out
     assert "The arms (depths K, 0 = off); default 0..drafter.speculative_tokens." in out
-    assert "  rollout.engine.tensor_parallel_size (int | None, default null)" in out
+    assert "  drafter.schedule (Literal['idle', 'serial']; `tlt train`: idle)" in out
     assert "GRPO group size n." in out and "\nspeculation: BEG-MAB" in out
 
 

@@ -48,9 +48,10 @@ def test_the_loggers_default_to_tensorboard_and_wandb_to_offline():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("trainer.loggers=[tensorboard,wandbb]", "trainer.loggers: unknown logger 'wandbb'; choose from tensorboard, wandb"),
+    ("trainer.loggers=[tensorboard,wandbb]",
+     "the command line: trainer.loggers[1] must be one of tensorboard, wandb, got 'wandbb'"),
     ("trainer.loggers=[wandb,wandb]", "trainer.loggers lists 'wandb' more than once"),
-    ("trainer.wandb_mode=cloud", "trainer.wandb_mode must be one of offline, online, got 'cloud'"),
+    ("trainer.wandb_mode=cloud", "the command line: trainer.wandb_mode must be one of offline, online, got 'cloud'"),
 ])
 def test_bad_logger_settings_are_one_line_config_errors(override, message):
     with pytest.raises(ConfigError) as info:

@@ -35,8 +35,10 @@ import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 from megatron_tlt import config
+from megatron_tlt.config.sections import SolutionStyle
 
 ANSWER_MARKER = "####"
 OTHER_ANSWER_PREFIX = "The answer is "
@@ -72,7 +74,7 @@ def _apply(value: int, op: str, operand: int) -> int:
     return value + operand if op == "+" else value - operand
 
 
-SOLUTION_STYLES = config.SOLUTION_STYLES
+SOLUTION_STYLES = get_args(SolutionStyle)
 """How a worked solution is written: ``chain`` one short line per step (``55+1=56``); ``restate`` copies the
 whole remaining expression each line with its first operation done (``=56-8-5``), as reasoning traces
 restate what is left: length quadratic in the steps, and mostly text a drafter can copy."""

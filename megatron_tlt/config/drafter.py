@@ -1,0 +1,151 @@
+"""The EAGLE drafter: speculative rollouts and its training in the rollout's long tail (TLT)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal, get_args
+
+from megatron_tlt.config.checks import ConfigError, check_choices
+
+DrafterPrecision = Literal["auto", "fp32", "bf16", "fp8"]
+DRAFTER_PRECISIONS = get_args(DrafterPrecision)
+"""drafter/precision.py says what each means (it imports torch, so they live here)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class DrafterConfig:
+    """The EAGLE drafter: speculative rollouts, and its training on ranks idle in the rollout long tail (TLT)."""
+
+    speculative_tokens: int = 0
+    """Draft depth K of the rollout engines' EAGLE speculation (0: no speculation)."""
+    spot_training: bool = False
+    """Train the drafter on ranks whose rollout share is done, until the slowest rank is done."""
+    lr: float = 1e-3
+    """Learning rate of the drafter's training: its cold start (``tlt warmup-drafter``, ``cold_start``), and
+    the spot trainer's online steps unless ``spot_lr`` is set."""
+    spot_lr: float | None = None
+    """Learning rate of the spot trainer's online steps (None: ``lr``). A cold-started drafter needs gentler
+    steps than its cold start: they fine-tune it on a small buffer of recent responses, over and over."""
+    buffer_tokens: int = 65536
+    """Feature rows kept for drafter training; the oldest whole sequences are dropped first."""
+    pack_tokens: int = 1024
+    """Training rows per drafter micro-step (a preempted one stops within one draft step). A sequence with more
+    rows is split into chunks that cannot attend to the earlier ones, so keep it above the longest prompt +
+    response: at 256 the tiny default's drafter accepted half as many tokens in the rollout's long tail
+    (bench/RESULTS.md)."""
+    pack_order: Literal["shuffled", "newest"] = "shuffled"
+    """Which buffered sequences a step's micro-steps train on first: ``shuffled`` (a fresh random order over the
+    whole buffer each step, different on each rank) or ``newest`` (the newest first, the packs made so far cycled
+    again: a long idle tail trains the last step's few groups over and over). Measured on held-out rollouts
+    (bench/RESULTS.md, 2026-11-29), with heads_version: from the in-domain cold start, where the spot trainer trains
+    little, newest 1.008x the frozen cold start against shuffled 1.006x (noise); from a weak start trained hard
+    (spot_lr 3e-3, duty 1.0), shuffled 1.408x over its start against newest 1.289x."""
+    heads_version: Literal["features", "newest"] = "features"
+    """The policy embedding and LM head the drafter trains with: ``features`` (those of the policy that made the
+    newest features, so heads and features agree, as in the serial schedule) or ``newest`` (the policy after the
+    last update, one version ahead of every feature in the buffer); see pack_order for what it measured."""
+    hidden_weight: float = 1.0
+    ce_weight: float = 0.1
+    tv_weight: float = 0.0
+    """Weight of the total-variation distance between the policy's and the drafter's next-token distributions in
+    the drafter's loss (``drafter/loss.py``): 1 - tv is the acceptance of a sampled draft at temperature 1, so
+    this term trains for acceptance itself. 0: EAGLE's loss only. A cold start of 1024 prompts x 4 epochs on the
+    same responses (CPU, 2026-11-29): held-out top-1 agreement 0.508 at 0, 0.531 at 1.0, acceptance length at depth
+    2 1.68 against 1.77; online from the cold start 1.008x against 0.999x without it, within noise (bench/RESULTS.md).
+    Off by default: a new weight makes a new cold-start cache entry (the shipped one is made without it)."""
+    unroll_steps: int = 1
+    """Draft steps each training row is unrolled over (training-time test, as EAGLE-3 and HASS train; the
+    loss is their mean): at step k the drafter reads its own step k-1 prediction where step 1 reads the
+    policy's feature, as vLLM drafts the k-th token. 1: the policy's features only (EAGLE-1). Each step costs
+    about one more forward and backward pass of the drafter."""
+    schedule: Literal["idle", "serial"] = "idle"
+    """When the drafter trains, with ``spot_training`` on: ``idle`` (TLT: on ranks whose rollout share is done,
+    until the slowest rank is done, preempted then) or ``serial`` (the peers' co-training, as NeMo-RL and vime
+    schedule it: after the update, on the critical path, ``serial_tokens`` rows per rank each step; the
+    baseline arm of bench/tlt_end_to_end.py)."""
+    serial_tokens: int = 0
+    """Drafter training rows per rank per step with ``schedule: serial``, on average over the run: micro-steps
+    train whole packs (up to ``pack_tokens`` rows), so a step trains until the rows owed so far are trained, or
+    the buffer gives none."""
+    spot_duty_cycle: float | None = None
+    """Fraction of a rank's idle time the spot trainer may train: after a micro-step of t seconds it rests
+    t * (1 - d) / d. Default: 1.0 on GPU, where each rank trains on its own device; 0.25 on CPU, where the
+    ranks share one memory bus and an idle rank's training slows the ranks still generating
+    (bench/spot_overhead.py: +7.8% critical path at 1.0, none measurable at 0.25)."""
+    spot_cost_bound: float | None = 0.02
+    """Share of the rollout the spot trainer may cost the ranks still generating before its duty cycle backs off.
+    Each step measures it (drafter/spot_rollout_cost: the generating ranks' engine steps that ran while another
+    rank of their node trained, against steps of the same batch size and depth that ran while none did,
+    ``drafter/neighbour_slowdown.py``); above the bound the duty cycle is halved, below half of it raised by 1.1x,
+    never above spot_duty_cycle (drafter/duty_cycle: the one used). None: the duty cycle stays as set."""
+    precision: DrafterPrecision = "auto"
+    """auto, fp32, bf16 or fp8. auto: fp8 only where it measured faster, through a backend (Transformer Engine or
+    torchao) that megatron_tlt/drafter/fp8_measured.json says trained at >= 1.05x bf16's tokens/s on this GPU (by
+    name) in the mode the trainer runs (eager), else bf16 on GPU, fp32 on CPU; TE too needs its row. No GPU has such
+    a row yet: an H200 measured torchao's eager float8 at 0.48x bf16 (bench/RESULTS.md), so auto is bf16 on GPU.
+    bench/drafter_precision.py --record adds rows. fp8: through TE, else torchao's float8 training, measured or not;
+    refused at start-up, saying why, where neither can run. The path taken and why are logged and in summary.json as
+    drafter/precision and drafter/precision_reason."""
+    init_dir: str | None = None
+    """Start from this EAGLE drafter directory (e.g. made by ``tlt warmup-drafter``) instead of random weights."""
+    cold_start: bool = False
+    """With speculation on and no ``init_dir``: start from a cold-start drafter of the initial policy (``tlt
+    warmup-drafter`` on it, made on first use and cached beside the policy's warm-up) instead of random weights."""
+    probe_prompts: int = 0
+    """Speculating engines check every rollout's acceptance (the first after each policy sync and drafter
+    push): an acceptance below ``acceptance_alarm`` is an ERROR line and counts in ``spec/acceptance_alarms``
+    (a drafter lost or broken in the push). With probe_prompts > 0 each engine also answers this many
+    fixed prompts greedily at full depth right after the sync (``spec/probe_acceptance_rate``): a check
+    that does not depend on the sampling temperature or the depths BEG-MAB chose, at the cost of a
+    generation per step (0.3-0.4 s of a 3.5 s step with 4 prompts on the 2-core CPU)."""
+    acceptance_alarm: float = 0.05
+    """Accepted share of a rollout's (or probe's) draft tokens below which the alarm fires."""
+    quality_rows: int = 512
+    """With speculation on: feature rows per rank of a held-out slice of each step's rollouts (the first sample
+    of each group, every group, in prompt order, whole sequences up to this many rows), never trained on. On
+    it, each step, the serving drafter, the run's starting drafter (the cold start) and a freshly trained
+    candidate are measured alike: teacher-forced acceptance per draft position and the expected acceptance
+    length at depth speculative_tokens, at the rollout's temperature (``drafter/quality.py``), beside the
+    policy's entropy; in summary.json as drafter/quality/* and on the step's TLT line. Costs one policy forward
+    over the slice. 0: off (and no push gate)."""
+    quality_every: int | None = None
+    """Measure the drafters (``quality_rows``) and decide a push every this many steps, from step 1; a candidate
+    trains on meanwhile. Default: every step on GPU, where one forward over the slice is a sliver of a step;
+    every 4th on CPU, where measuring cost 5-8% of a tiny-default step (bench/RESULTS.md)."""
+    push_gate: bool = True
+    """A drafter trained online replaces the one the engines serve only when it measures at least as well on
+    the held-out slice (``quality_rows``); otherwise the serving one stays and training goes on
+    (drafter/pushes, drafter/pushes_declined). False: every trained drafter is pushed."""
+
+    def __post_init__(self) -> None:
+        if self.probe_prompts < 0 or not 0.0 <= self.acceptance_alarm <= 1.0:
+            raise ConfigError(f"drafter.probe_prompts must be >= 0 and acceptance_alarm in [0, 1], got "
+                              f"{self.probe_prompts}, {self.acceptance_alarm}")
+        if self.speculative_tokens < 0 or self.buffer_tokens < 1 or self.pack_tokens < 1:
+            raise ConfigError(f"drafter.speculative_tokens must be >= 0 and buffer_tokens, pack_tokens >= 1, got "
+                              f"{self.speculative_tokens}, {self.buffer_tokens}, {self.pack_tokens}")
+        if self.unroll_steps < 1:
+            raise ConfigError(f"drafter.unroll_steps must be >= 1 (1: no unrolling), got {self.unroll_steps}")
+        check_choices(self, "drafter")
+        if self.quality_every is not None and self.quality_every < 1:
+            raise ConfigError(f"drafter.quality_every must be >= 1 or null (the device's default), got "
+                              f"{self.quality_every}")
+        if self.quality_rows < 0:
+            raise ConfigError(f"drafter.quality_rows must be >= 0 (0: no held-out measure), got {self.quality_rows}")
+        if min(self.hidden_weight, self.ce_weight, self.tv_weight) < 0:
+            raise ConfigError(f"drafter.hidden_weight, ce_weight and tv_weight must be >= 0, got {self.hidden_weight}, "
+                              f"{self.ce_weight}, {self.tv_weight}")
+        if self.lr <= 0 or (self.spot_lr is not None and self.spot_lr <= 0):
+            raise ConfigError(f"drafter.lr and drafter.spot_lr must be > 0, got {self.lr}, {self.spot_lr}")
+        if self.spot_cost_bound is not None and not 0.0 < self.spot_cost_bound < 1.0:
+            raise ConfigError(f"drafter.spot_cost_bound must be in (0, 1) or null, got {self.spot_cost_bound}")
+        if self.spot_duty_cycle is not None and not 0.0 < self.spot_duty_cycle <= 1.0:
+            raise ConfigError(f"drafter.spot_duty_cycle must be in (0, 1], got {self.spot_duty_cycle}")
+        if self.schedule == "serial" and not (self.spot_training and self.serial_tokens >= 1):
+            raise ConfigError("drafter.schedule=serial trains the drafter after the update: it needs "
+                              f"drafter.spot_training=true and drafter.serial_tokens >= 1, got spot_training="
+                              f"{str(self.spot_training).lower()}, serial_tokens={self.serial_tokens}")
+        if self.init_dir is not None and not (Path(self.init_dir).expanduser() / "model.safetensors").is_file():
+            raise ConfigError(f"drafter.init_dir {self.init_dir}: no model.safetensors there (expected an EAGLE "
+                              "drafter directory, e.g. from `tlt warmup-drafter`)")
