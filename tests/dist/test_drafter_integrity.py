@@ -41,7 +41,7 @@ def _fault_scenarios_on_rank(workdir: str) -> dict:
     from megatron_tlt.config import SpeculationConfig
     from megatron_tlt.drafter import store
     from megatron_tlt.parallel import ParallelLayout
-    from megatron_tlt.spec import engine as engine_module
+    from megatron_tlt.spec import drafter_transfer
     from megatron_tlt.spec.drafter_integrity import DrafterIntegrity
     from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings, SpeculativeSettings
     from megatron_tlt.spec.reload_warnings import RELOAD_LOGGER
@@ -56,7 +56,7 @@ def _fault_scenarios_on_rank(workdir: str) -> dict:
             logged.append((record.levelname, record.getMessage()))
 
     logging.getLogger("megatron_tlt.spec.drafter_integrity").addHandler(Collect(level=logging.INFO))
-    real_reload = engine_module._reload_drafter_in_worker
+    real_reload = drafter_transfer._reload_drafter_in_worker
     faults = {"left": 0}
 
     def misrouted_reload(worker, tensors):
@@ -70,7 +70,7 @@ def _fault_scenarios_on_rank(workdir: str) -> dict:
                                        "fc.weight": torch.cat([fc[:, h:], fc[:, :h]], dim=1)})
         real_reload(worker, tensors)
 
-    engine_module._reload_drafter_in_worker = misrouted_reload
+    drafter_transfer._reload_drafter_in_worker = misrouted_reload
 
     def greedy():
         result = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=24))
@@ -157,7 +157,7 @@ def _fault_scenarios_on_rank(workdir: str) -> dict:
             results["resume_report"] = after_restart.drain_report()
             results["resume_probe"] = engine.probe_acceptance(PROMPTS)  # it now drafts with the checkpoint's
         finally:
-            engine_module._reload_drafter_in_worker = real_reload
+            drafter_transfer._reload_drafter_in_worker = real_reload
             engine.close()
     return results
 

