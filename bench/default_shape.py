@@ -54,7 +54,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         subprocess.run(["tlt", "train", "--config", CONFIG, f"trainer.run_dir={run_dir}", f"trainer.steps={args.steps}",
-                        "trainer.eval_every=0", "trainer.save_every=0", "drafter.speculative_tokens=0",
+                        "trainer.eval_every=0", "trainer.save_every=0", "drafter.depth=0",
                         "drafter.spot_training=false", *args.overrides],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         records = json.loads((run_dir / "summary.json").read_text())

@@ -20,7 +20,7 @@ does not sample the policy (the weights it runs are not the policy's).
 Run (after ``bash bench/install_real_model.sh``, the only step that downloads; ``tlt train`` never does):
 
     python bench/real_model.py run --work /tmp/real_model [--steps 3 --prompts 8 --samples 4 --max-tokens 128] \\
-        [-- key=value ...]        # further `tlt train` overrides, e.g. drafter.cold_start=false
+        [-- key=value ...]        # further `tlt train` overrides, e.g. drafter.cold_start.enabled=false
     python bench/real_model.py make-hf DIR      # only the GGUF -> HF conversion, checked
     python bench/real_model.py reference --model DIR --work W   # only the plain-vLLM figures
 

@@ -30,7 +30,7 @@ PHASE_KEYS = ("rollout_seconds", "reward_seconds", "logprob_seconds", "update_se
 
 def _run(steps: int, spot: bool, run_dir: Path, extra: list[str]) -> list[dict]:
     command = ["tlt", "train", f"trainer.steps={steps}", "trainer.eval_every=0", "data.held_out_prompts=0",
-               "trainer.save_every=0", f"drafter.spot_training={str(spot).lower()}", "drafter.speculative_tokens=0",
+               "trainer.save_every=0", f"drafter.spot_training={str(spot).lower()}", "drafter.depth=0",
                f"trainer.run_dir={run_dir}", *extra]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads((run_dir / "summary.json").read_text())[1:]  # step 1: engine warm-up, no features yet

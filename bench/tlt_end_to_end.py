@@ -36,7 +36,7 @@ Both runs use the same seeds and the same number of steps, in every repeat (TLT 
 time, its seed fixes them; TLT on's vary with the engine's RNG under speculation). TLT on starts its drafter from the
 benchmarks' cached warm-up drafter of the initial policy (``commands/start.cold_start_drafter``, made on first
 use, as ``tlt bench rollout`` does), speculates up to depth ``--depth`` (default: the config's
-``drafter.speculative_tokens``) with the config's depth policy choosing per engine step (the default's
+``drafter.depth``) with the config's depth policy choosing per engine step (the default's
 BEG-MAB; ``--variant goodput speculation.policy=goodput`` races the goodput model beside it), and trains
 the drafter on idle ranks. The frozen run is TLT on without the spot trainer: its drafter stays the
 cold-start one (in-domain, not random), so the acceptance ratio online / frozen is what training on idle
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--depth", type=int, default=None,
                         help="deepest speculation the depth policy may choose (default: the config's "
-                             "drafter.speculative_tokens)")
+                             "drafter.depth)")
     parser.add_argument("--drafter", default=None, help="initial drafter directory (default: the cached warm-up)")
     parser.add_argument("--no-frozen", dest="frozen", action="store_false",
                         help="skip the frozen-drafter run (speculation with the cold-start drafter, no spot training)")
@@ -161,7 +161,7 @@ def main() -> None:
     if args.depth is None:  # the default's own depth, so that the bench measures what `tlt train` runs
         from megatron_tlt.config import load_config
 
-        args.depth = load_config(CONFIG, args.overrides).drafter.speculative_tokens
+        args.depth = load_config(CONFIG, args.overrides).drafter.depth
     if args.depth < 1:
         parser.error(f"--depth must be >= 1 (TLT on speculates), got {args.depth}")
     if args.drafter is None:
@@ -170,14 +170,14 @@ def main() -> None:
         args.drafter = str(cold_start_drafter(CONFIG, args.overrides))
     common = [f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.save_every=0", *args.overrides]
     # Both arms say what they are: the default has TLT on, and an override may change that.
-    tlt_off = ["drafter.speculative_tokens=0", "drafter.spot_training=false"]
-    speculating = [f"drafter.speculative_tokens={args.depth}", "speculation.adaptive=true"]
+    tlt_off = ["drafter.depth=0", "drafter.spot_training=false"]
+    speculating = [f"drafter.depth={args.depth}", "speculation.adaptive=true"]
     in_domain = [f"drafter.init_dir={args.drafter}"]
     start_seconds = 0.0  # what the weak start took to make, counted in the time of every arm that starts from it
     if args.start == "cold":
         start = in_domain
     elif args.start == "random":
-        start = ["drafter.init_dir=null", "drafter.cold_start=false"]
+        start = ["drafter.init_dir=null", "drafter.cold_start.enabled=false"]
     else:
         small_dir, start_seconds = _make_a_small_cold_start(args)
         start = [f"drafter.init_dir={small_dir}"]
@@ -403,14 +403,13 @@ def _make_a_small_cold_start(args) -> tuple[str, float]:
 def _make_a_cold_start(overrides: list[str], out_dir: Path, label: str, **budget) -> tuple[str, float]:
     """Make the config's cold start (its budget replaced by ``budget``) into ``out_dir``; print and return its wall
     seconds beside what it reached."""
-    import dataclasses
     import time
 
-    from megatron_tlt.commands.start import cold_start_settings, load_config, start_drafter_warmup
+    from megatron_tlt.commands.start import start_drafter_warmup
 
-    settings = dataclasses.replace(cold_start_settings(load_config(CONFIG, overrides)), **budget)
+    overrides = [*overrides, *(f"drafter.cold_start.{key}={value}" for key, value in budget.items())]
     started = time.perf_counter()
-    figures = start_drafter_warmup(CONFIG, overrides, policy=None, out_dir=str(out_dir), settings=settings)
+    figures = start_drafter_warmup(CONFIG, overrides, policy=None, out_dir=str(out_dir))
     seconds = time.perf_counter() - started
     print(f"  {label} took {seconds:.1f} s; held-out top-1 agreement {figures['held_out_top1_agreement_after']:.3f}, "
           f"acceptance length {figures['mean_acceptance_length_after']:.2f} at its measuring depth", flush=True)

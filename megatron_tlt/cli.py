@@ -59,20 +59,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_warmup_drafter(args: argparse.Namespace) -> int:
     from megatron_tlt.commands.start import start_drafter_warmup, warmup_log_dir
-    from megatron_tlt.commands.warmup_settings import ColdStartSettings
+    from megatron_tlt.config import load_config
 
-    settings = ColdStartSettings(prompts=args.prompts, eval_prompts=args.eval_prompts, epochs=args.epochs,
-                                 draft_tokens=args.draft_tokens)
+    # the flags are drafter.cold_start's keys, set after the config's other overrides
+    flags = {"prompts": args.prompts, "eval_prompts": args.eval_prompts, "epochs": args.epochs,
+             "eval_depth": args.eval_depth}
+    overrides = [*args.overrides, *(f"drafter.cold_start.{k}={v}" for k, v in flags.items() if v is not None)]
+    settings = load_config(_chosen_config(args), overrides).drafter.cold_start
     announce = (f"tlt warmup-drafter: the policy answers up to {settings.prompts} prompts (and "
                 f"{settings.eval_prompts} held out), then the drafter trains {settings.epochs} epochs on its "
                 f"responses; every rank's full output in {warmup_log_dir(args.out)}")
-    figures = start_drafter_warmup(_chosen_config(args), args.overrides, policy=args.policy, out_dir=args.out,
-                                   settings=settings, announce=announce)
+    figures = start_drafter_warmup(_chosen_config(args), overrides, policy=args.policy, out_dir=args.out,
+                                   announce=announce)
     print(f"tlt warmup-drafter: trained on {figures['tokens_trained']} tokens from {figures['train_prompts']} "
           f"responses of the policy, {figures['epochs']} epochs")
     print(f"held-out ({figures['eval_prompts']} prompts) before -> after: top-1 agreement "
           f"{figures['held_out_top1_agreement_before']:.3f} -> {figures['held_out_top1_agreement_after']:.3f}, "
-          f"mean acceptance length at depth {figures['draft_tokens']} "
+          f"mean acceptance length at depth {figures['eval_depth']} "
           f"{figures['mean_acceptance_length_before']:.3f} -> {figures['mean_acceptance_length_after']:.3f}")
     print(f"wrote the drafter to {args.out} (start a run from it with drafter.init_dir={args.out})")
     return 0
@@ -158,10 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--policy", default=None, metavar="RUN|CKPT",
                       help="policy to distil: a run directory (its latest checkpoint) or a checkpoint "
                            "(default: the config's initial policy)")
-    warm.add_argument("--prompts", type=int, default=1024, help="training prompts (one response each)")
-    warm.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts for the before/after figures")
-    warm.add_argument("--epochs", type=int, default=3)
-    warm.add_argument("--draft-tokens", type=int, default=2, help="draft depth of the acceptance measurement")
+    warm.add_argument("--prompts", type=int, help="training prompts, one response each (drafter.cold_start.prompts)")
+    warm.add_argument("--eval-prompts", type=int,
+                      help="held-out prompts for the before/after figures (drafter.cold_start.eval_prompts)")
+    warm.add_argument("--epochs", type=int, help="passes over the responses (drafter.cold_start.epochs)")
+    warm.add_argument("--eval-depth", type=int,
+                      help="draft depth of the acceptance measurement (drafter.cold_start.eval_depth)")
     warm.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. drafter.lr=3e-3")
     warm.set_defaults(func=_cmd_warmup_drafter)
 

@@ -33,8 +33,7 @@ def decided(config: TLTConfig, *, run_name: str) -> TLTConfig:
         rollout=dataclasses.replace(config.rollout, engine=dataclasses.replace(
             engine, tensor_parallel_size=resolve_engine_tp(engine.tensor_parallel_size,
                                                            config.parallel.tensor_parallel_size))),
-        drafter=dataclasses.replace(d, spot_lr=d.lr if d.spot_lr is None else d.spot_lr,
-                                    spot_duty_cycle=spot_duty_cycle(d.spot_duty_cycle),
+        drafter=dataclasses.replace(d, spot_duty_cycle=spot_duty_cycle(d.spot_duty_cycle),
                                     quality_every=quality_every(d.quality_every)),
-        speculation=dataclasses.replace(s, depths=list(s.arms(d.speculative_tokens))),
+        speculation=dataclasses.replace(s, depths=list(s.arms(d.depth))),
         trainer=dataclasses.replace(t, wandb_name=t.wandb_name or run_name))

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from megatron_tlt import atomic_files, layout_rules
 from megatron_tlt.commands import run_values
-from megatron_tlt.commands.warmup_settings import ColdStartSettings
 from megatron_tlt.config import check_pretrained_config, load_config, to_yaml, world_size
 from megatron_tlt.launcher import launched_rank
 from megatron_tlt.rl.run import run_dir as run_files
@@ -102,7 +101,7 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
         if writer:
             run_files.prepare_new_run_dir(run_dir, to_yaml(config))
     d = config.drafter
-    if resume_dir is None and d.cold_start and d.speculative_tokens > 0 and d.init_dir is None:
+    if resume_dir is None and d.cold_start.enabled and d.depth > 0 and d.init_dir is None:
         # Recorded in the run's config.yaml: a resumed run knows where its drafter started. Under torchrun
         # every rank runs this: the drafter must be made beforehand (`tlt warmup-drafter`, or one `tlt train`).
         cold_start = obtain_cold_start(config_name, overrides, make=not under_torchrun,
@@ -117,10 +116,10 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
     return run_dir, results.get(0)  # under torchrun each rank holds only its own result (records on rank 0)
 
 
-def _warm_up_drafter_on_rank(config, policy_dir, out_dir: str, settings):
+def _warm_up_drafter_on_rank(config, policy_dir, out_dir: str):
     from megatron_tlt.commands.warmup_drafter import warm_up_drafter_on_rank  # imported in the rank
 
-    return warm_up_drafter_on_rank(config, policy_dir, out_dir, settings)
+    return warm_up_drafter_on_rank(config, policy_dir, out_dir)
 
 
 def warmup_log_dir(out_dir: str | Path) -> Path:
@@ -130,8 +129,9 @@ def warmup_log_dir(out_dir: str | Path) -> Path:
 
 
 def start_drafter_warmup(config_name: str | None, overrides: list[str], *, policy: str | None, out_dir: str,
-                         settings, log_dir: str | Path | None = None, announce: str | None = None) -> dict:
-    """Warm a drafter up offline (``warmup_drafter.py``); returns its before/after figures.
+                         log_dir: str | Path | None = None, announce: str | None = None) -> dict:
+    """Warm a drafter up offline (``warmup_drafter.py``) as drafter.cold_start says; returns its before/after
+    figures.
 
     Each rank's full output goes to ``log_dir/rank{N}.log`` (default ``warmup_log_dir(out_dir)``); the console
     keeps rank 0's progress bars, our warnings and every error (``rank_logs.py``). ``announce`` is printed once the
@@ -142,15 +142,13 @@ def start_drafter_warmup(config_name: str | None, overrides: list[str], *, polic
     config = load_config(config_name, overrides)
     check_pretrained_config(config_name, config)
     _check_drafter_precision(config)
-    if min(settings.prompts, settings.eval_prompts, settings.epochs, settings.draft_tokens) < 1:
-        raise ValueError("--prompts, --eval-prompts, --epochs and --draft-tokens must be >= 1")
     check_output_dir(out_dir)
     policy_dir = str(resolve_policy_dir(policy)) if policy is not None else None
     _check_layout(config)
     log_dir = Path(log_dir) if log_dir is not None else warmup_log_dir(out_dir)
     if announce is not None:
         print(announce, flush=True)
-    return _run_on_engine_ranks(_warm_up_drafter_on_rank, world_size(config), config, policy_dir, out_dir, settings,
+    return _run_on_engine_ranks(_warm_up_drafter_on_rank, world_size(config), config, policy_dir, out_dir,
                                 log_dir=log_dir)[0]
 
 
@@ -163,49 +161,32 @@ def _bench_rollout_on_rank(config, policy_dir, drafter_dir: str, settings):
     return bench_on_rank(config, policy_dir, drafter_dir, settings)
 
 
-# The cold start: a warm-up on every prompt of the tiny default (4096), standing in for a drafter the spot
-# trainer has kept up with the policy (on the 4-layer default its top-1 agreement reached 0.84 in 40 RL steps).
-# Sixteen epochs: on the 64-layer default's held-out responses, in packs of 256, top-1 agreement 0.836 / 0.862 /
-# 0.881 and acceptance length at depth 6 4.10 / 4.44 / 4.57 after 4 / 8 / 16 epochs; the default's packs of 1024
-# reach 4.90 at 16 (~12 min of training on 2 cores).
-BENCH_DRAFTER_PROMPTS, BENCH_DRAFTER_EPOCHS, BENCH_DRAFTER_EVAL_DEPTH = 4096, 16, 6
-COLD_START_DRAFTER_FIELDS = ("lr", "pack_tokens", "hidden_weight", "ce_weight", "precision", "init_dir")
+COLD_START_KEY_VERSION = 3
+"""Part of every cold start's cache key: bump it when what a cold start makes changes without its settings changing
+(then ``python -m checkpoints_tools.ship_tiny_default`` re-keys the shipped one). 3: drafter.cold_start a section,
+hashed whole."""
+COLD_START_TRAINING_FIELDS = ("pack_tokens", "hidden_weight", "ce_weight", "tv_weight", "unroll_steps", "precision",
+                              "init_dir")
+"""The drafter's settings its cold-start training reads (its rate and budget are drafter.cold_start's own)."""
 # How the RL run scores rewards (inline or on a Ray pool) does not reach the cold start, which scores nothing.
 REWARD_SCORING_DATA_FIELDS = ("reward_workers", "reward_timeout_s", "reward_failure_value", "ray_address")
 
 
-COLD_START = ColdStartSettings(prompts=BENCH_DRAFTER_PROMPTS, epochs=BENCH_DRAFTER_EPOCHS,
-                               draft_tokens=BENCH_DRAFTER_EVAL_DEPTH)  # the default's depth
-# A pretrained policy's (model.hf_dir): the policy answers up to 512 of the user's prompts, two epochs over its
-# responses. Its rollouts cost far more than the tiny default's, and the spot trainer carries on from there.
-PRETRAINED_COLD_START = ColdStartSettings(prompts=512, eval_prompts=32, epochs=2, draft_tokens=2)
-
-
-def cold_start_settings(config) -> ColdStartSettings:
-    """How the cold start of the config's initial policy is made: the tiny default's, or a pretrained policy's."""
-    if config.model.hf_dir is None:
-        return COLD_START
-    return dataclasses.replace(PRETRAINED_COLD_START, draft_tokens=max(1, config.drafter.speculative_tokens))
-
-
 def cold_start_dir(config) -> Path:
-    """The cache entry of the config's cold-start drafter (it may not exist yet)."""
+    """The cache entry of the config's cold-start drafter (it may not exist yet): keyed by drafter.cold_start whole
+    and what the cold start reads of the policy, the prompts and the drafter's training, not by the RL-only
+    drafter settings (depth, spot training, alarms), so the TLT-on and TLT-off arms of a benchmark share one."""
     from megatron_tlt.rl.run.artifact_cache import cache_key, cache_root, warmup_recipe
 
-    # Keyed by what the cold start reads, not by the RL-only drafter settings (depth, spot training, alarms):
-    # the TLT-on and TLT-off arms of a benchmark share one drafter.
-    drafter = {name: getattr(config.drafter, name) for name in COLD_START_DRAFTER_FIELDS}
-    if config.drafter.unroll_steps > 1:  # keys made before unrolling existed stay valid
-        drafter["unroll_steps"] = config.drafter.unroll_steps
-    if config.drafter.tv_weight:  # as unroll_steps: keys made before the tv term existed stay valid
-        drafter["tv_weight"] = config.drafter.tv_weight
-    sampling = dict(temperature=config.rollout.temperature, max_response_tokens=config.rollout.max_response_tokens)
+    d = config.drafter
+    recipe = {k: v for k, v in dataclasses.asdict(d.cold_start).items() if k != "enabled"}
     data = {k: v for k, v in dataclasses.asdict(config.data).items() if k not in REWARD_SCORING_DATA_FIELDS}
-    if not config.data.curriculum_steps:  # as unroll_steps: keys made before curricula existed stay valid
-        del data["curriculum_steps"], data["curriculum_max_prompt_tokens"]
-    key = cache_key(warmup=warmup_recipe(config), model=dataclasses.asdict(config.model), data=data,
-                    parallel=dataclasses.asdict(config.parallel), seed=config.trainer.seed, sampling=sampling,
-                    drafter=drafter, cold_start=dataclasses.asdict(cold_start_settings(config)))
+    key = cache_key(version=COLD_START_KEY_VERSION, cold_start=recipe,
+                    training={name: getattr(d, name) for name in COLD_START_TRAINING_FIELDS},
+                    warmup=warmup_recipe(config), model=dataclasses.asdict(config.model), data=data,
+                    parallel=dataclasses.asdict(config.parallel), seed=config.trainer.seed,
+                    sampling=dict(temperature=config.rollout.temperature,
+                                  max_response_tokens=config.rollout.max_response_tokens))
     return cache_root(config.warmup.cache_dir) / f"drafter-{key}"
 
 
@@ -232,7 +213,7 @@ class ColdStart:
 
 def cold_start_drafter(config_name: str | None, overrides: list[str], *, make: bool = True) -> Path:
     """The cold-start drafter of the config's initial policy (``tlt warmup-drafter``), installed from the
-    package or made on first use (unless not ``make``) and cached: what ``drafter.cold_start`` and the
+    package or made on first use (unless not ``make``) and cached: what ``drafter.cold_start.enabled`` and the
     benchmarks start from."""
     return obtain_cold_start(config_name, overrides, make=make).directory
 
@@ -251,20 +232,20 @@ def obtain_cold_start(config_name: str | None, overrides: list[str], *, make: bo
     if task_source(config).install_shipped(directory):
         return ColdStart(directory, "package")
     if not make:
-        raise FileNotFoundError(f"drafter.cold_start: no cold-start drafter cached at {directory}; under torchrun "
+        raise FileNotFoundError(f"drafter.cold_start.enabled: no cold-start drafter cached at {directory}; under torchrun "
                                 "make it first (the same command without torchrun) or set drafter.init_dir")
-    settings = cold_start_settings(config)
+    settings = config.drafter.cold_start
     log_dir = log_dir if log_dir is not None else warmup_log_dir(directory)
     announce = (f"cold start: no drafter cached for this policy and config, so one is distilled from the initial "
                 f"policy before RL (its responses to up to {settings.prompts} prompts, then {settings.epochs} epochs "
                 f"of training); made once, cached in {directory}; logs in {log_dir}")
     started = time.perf_counter()
-    figures = start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), settings=settings,
-                                   log_dir=log_dir, announce=announce)
+    figures = start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), log_dir=log_dir,
+                                   announce=announce)
     seconds = time.perf_counter() - started
     print(f"cold start: done in {seconds / 60:.1f} min; held-out top-1 agreement with the policy "
           f"{figures['held_out_top1_agreement_before']:.3f} -> {figures['held_out_top1_agreement_after']:.3f}, "
-          f"acceptance length at depth {figures['draft_tokens']} {figures['mean_acceptance_length_before']:.2f} -> "
+          f"acceptance length at depth {figures['eval_depth']} {figures['mean_acceptance_length_before']:.2f} -> "
           f"{figures['mean_acceptance_length_after']:.2f}", flush=True)
     return ColdStart(directory, "made", seconds, figures)
 

@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_tlt.commands.warmup_settings import ColdStartSettings
-from megatron_tlt.config import TLTConfig
+from megatron_tlt.config import ColdStartConfig, TLTConfig
 from megatron_tlt.drafter import store
 from megatron_tlt.drafter.precision import resolve_precision
 from megatron_tlt.drafter.trainer import DrafterTrainer
@@ -45,7 +44,7 @@ from megatron_tlt.spec.metrics import SpecDecodeStats
 logger = logging.getLogger(__name__)
 
 
-def _split_prompts(task: Task, settings: ColdStartSettings,
+def _split_prompts(task: Task, settings: ColdStartConfig,
                    curriculum_max_prompt_tokens: int = 0) -> tuple[list[PromptExample], list[PromptExample]]:
     """Training prompts from the dataset (with an easy-first curriculum, only its first steps' prompts: those the
     run starts with); held-out prompts from the task's own, else the dataset's tail."""
@@ -77,7 +76,8 @@ def _progress(total: int, desc: str, unit: str, show: bool) -> tqdm:
 class _Session:
     """One rank's policy, engine and drafter trainer for the warm-up."""
 
-    def __init__(self, config: TLTConfig, policy_dir: Path | None, settings: ColdStartSettings, workdir: Path):
+    def __init__(self, config: TLTConfig, policy_dir: Path | None, workdir: Path):
+        settings = config.drafter.cold_start
         self.config, self.settings = config, settings
         self.rank = dist.get_rank()
         self.ranks = RankSession(config, policy_dir=policy_dir, show_progress=self.rank == 0)
@@ -88,13 +88,13 @@ class _Session:
         self.dp_rank, self.dp_size = mcore.data_parallel_rank(), mcore.data_parallel_size()
         # The cold start's recipe, cached and shipped under keys that do not name the online pack order: it keeps the
         # order it was made with (its buffer is one step's responses; the online default shuffles across steps)
-        d = dataclasses.replace(config.drafter, pack_order="newest", heads_version="newest")
+        d = dataclasses.replace(config.drafter, lr=settings.lr, pack_order="newest", heads_version="newest")
         # the warm-up keeps every feature it makes: its buffer holds them all
         self.trainer = DrafterTrainer(self.task.arch, d, seed=config.trainer.seed,
                                       precision=resolve_precision(d.precision), buffer_tokens=1 << 62)
         if d.init_dir is not None:
             self.trainer.drafter.load_tensors(store.read_drafter_tensors(d.init_dir, self.task.arch))
-        speculative = SpeculativeSettings(num_speculative_tokens=settings.draft_tokens,
+        speculative = SpeculativeSettings(num_speculative_tokens=settings.eval_depth,
                                           draft_sampling=config.speculation.draft_sampling)
         self.engine = self.ranks.open_engine(workdir, speculative=speculative, drafter=self.trainer)
         self.ranks.sync(self.engine, self.trainer)
@@ -162,8 +162,7 @@ class _Session:
         return total
 
 
-def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: str,
-                            settings: ColdStartSettings) -> dict | None:
+def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: str) -> dict | None:
     """Entry point of every rank; rank 0 writes ``out_dir`` and returns the before/after figures."""
     layout = ParallelLayout(tensor_parallel_size=config.parallel.tensor_parallel_size,
                             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
@@ -172,7 +171,8 @@ def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: 
     workdir = tempfile.mkdtemp(prefix="tlt-warmup-drafter-")  # the engine's model directory
     try:
         is_reporter = dist.get_rank() == 0
-        session = _Session(config, Path(policy_dir) if policy_dir is not None else None, settings, Path(workdir))
+        settings = config.drafter.cold_start
+        session = _Session(config, Path(policy_dir) if policy_dir is not None else None, Path(workdir))
         train_prompts, eval_prompts = _split_prompts(session.task, settings, config.data.curriculum_max_prompt_tokens)
         seed = config.trainer.seed
         eval_seqs, eval_feats, acceptance_before = session.generate_with_features(
@@ -186,7 +186,7 @@ def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: 
         _, _, acceptance_after = session.generate_with_features(eval_prompts, seed, "held-out responses, drafter after")
         figures = {
             "tokens_trained": tokens, "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
-            "epochs": settings.epochs, "draft_tokens": settings.draft_tokens,
+            "epochs": settings.epochs, "eval_depth": settings.eval_depth,
             "held_out_top1_agreement_before": before["top1_agreement"],
             "held_out_top1_agreement_after": after["top1_agreement"],
             "held_out_loss_before": before["loss"], "held_out_loss_after": after["loss"],

@@ -16,7 +16,7 @@ their registries against them.
 """
 
 from megatron_tlt.config.checks import REMOVED_KEYS, ConfigError
-from megatron_tlt.config.drafter import DRAFTER_PRECISIONS, DrafterConfig
+from megatron_tlt.config.drafter import DRAFTER_PRECISIONS, ColdStartConfig, DrafterConfig
 from megatron_tlt.config.loading import (CONFIG_DIR, DEFAULT_CONFIG, PRETRAINED_CONFIG, build_options,
                                          check_pretrained_config, config_name_for, load_config, to_yaml, valid_keys,
                                          world_size)
@@ -28,7 +28,7 @@ from megatron_tlt.config.speculation import SpeculationConfig
 
 __all__ = [
     "ADVANTAGES", "CONFIG_DIR", "DEFAULT_CONFIG", "DRAFTER_PRECISIONS", "LOGGERS", "PRETRAINED_CONFIG", "REMOVED_KEYS",
-    "AlgorithmConfig", "ConfigError", "DataConfig", "DrafterConfig", "ModelConfig", "OptimizerConfig",
+    "AlgorithmConfig", "ColdStartConfig", "ConfigError", "DataConfig", "DrafterConfig", "ModelConfig", "OptimizerConfig",
     "ParallelConfig", "RolloutConfig", "RolloutEngineConfig", "SpeculationConfig", "TLTConfig", "TinyPolicyConfig",
     "TrainerConfig", "WarmupConfig", "build_options", "check_pretrained_config", "config_name_for", "describe_keys",
     "load_config", "to_yaml", "valid_keys", "world_size",

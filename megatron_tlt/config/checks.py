@@ -11,6 +11,12 @@ class ConfigError(ValueError):
 
 
 REMOVED_KEYS: dict[str, str] = {
+    "drafter.speculative_tokens": "renamed drafter.depth (the speculation depth K; speculation.depths are the depths "
+                                  "BEG-MAB picks among)",
+    "drafter.spot_lr": "drafter.lr is now the online steps' rate (what spot_lr was); the cold start's is "
+                       "drafter.cold_start.lr (what drafter.lr was)",
+    "drafter.cold_start": "now a section: drafter.cold_start.enabled=true|false, beside its prompts, eval_prompts, "
+                          "epochs, lr and eval_depth",
     "rollout.sampling_seed": "the rollouts' seeds derive from trainer.seed (the benchmarks that varied the "
                              "draws now compare arms on the same draws)",
     "trainer.capture_hidden_states": "the step captures the drafter's features exactly when the drafter "

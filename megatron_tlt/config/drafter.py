@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal, get_args
 
-from megatron_tlt.config.checks import ConfigError, check_choices
+from megatron_tlt.config.checks import ConfigError, _require_at_least_one, check_choices
 
 DrafterPrecision = Literal["auto", "fp32", "bf16", "fp8"]
 DRAFTER_PRECISIONS = get_args(DrafterPrecision)
@@ -14,19 +14,44 @@ DRAFTER_PRECISIONS = get_args(DrafterPrecision)
 
 
 @dataclasses.dataclass(kw_only=True)
+class ColdStartConfig:
+    """The drafter's cold start (``tlt warmup-drafter``): the initial policy answers some prompts and the drafter
+    trains on its responses, before RL's first step. Made on first use and cached under a hash of this section
+    whole, with what it reads of the policy, the prompts and the drafter's training (``commands/cold_start.py``);
+    ``tlt warmup-drafter`` makes one from the same keys (its flags set them)."""
+
+    enabled: bool = False
+    """With speculation on and no drafter.init_dir: start from the cold start instead of random weights."""
+    prompts: int = 1024
+    """Training prompts, one response of the policy each, over all data-parallel ranks."""
+    eval_prompts: int = 128
+    """Held-out prompts for the before / after figures (top-1 agreement, acceptance length)."""
+    epochs: int = 3
+    """Passes of training over the responses."""
+    lr: float = 1e-3
+    """Learning rate of its training (drafter.lr is the online steps')."""
+    eval_depth: int = 2
+    """Draft depth of the acceptance-length figure."""
+
+    def __post_init__(self) -> None:
+        _require_at_least_one("drafter.cold_start", prompts=self.prompts, eval_prompts=self.eval_prompts,
+                              epochs=self.epochs, eval_depth=self.eval_depth)
+        if not self.lr > 0:
+            raise ConfigError(f"drafter.cold_start.lr must be > 0, got {self.lr}")
+
+
+@dataclasses.dataclass(kw_only=True)
 class DrafterConfig:
     """The EAGLE drafter: speculative rollouts, and its training on ranks idle in the rollout long tail (TLT)."""
 
-    speculative_tokens: int = 0
-    """Draft depth K of the rollout engines' EAGLE speculation (0: no speculation)."""
+    depth: int = 0
+    """Speculation depth K: the most draft tokens the rollout engines' EAGLE drafter proposes a step (0: no
+    speculation). BEG-MAB picks each step's depth among speculation.depths, up to this."""
     spot_training: bool = False
     """Train the drafter on ranks whose rollout share is done, until the slowest rank is done."""
     lr: float = 1e-3
-    """Learning rate of the drafter's training: its cold start (``tlt warmup-drafter``, ``cold_start``), and
-    the spot trainer's online steps unless ``spot_lr`` is set."""
-    spot_lr: float | None = None
-    """Learning rate of the spot trainer's online steps (None: ``lr``). A cold-started drafter needs gentler
-    steps than its cold start: they fine-tune it on a small buffer of recent responses, over and over."""
+    """Learning rate of the drafter's online steps (the spot trainer's, or the serial schedule's); its cold
+    start has its own, ``cold_start.lr``."""
     buffer_tokens: int = 65536
     """Feature rows kept for drafter training; the oldest whole sequences are dropped first."""
     pack_tokens: int = 1024
@@ -89,9 +114,8 @@ class DrafterConfig:
     drafter/precision and drafter/precision_reason."""
     init_dir: str | None = None
     """Start from this EAGLE drafter directory (e.g. made by ``tlt warmup-drafter``) instead of random weights."""
-    cold_start: bool = False
-    """With speculation on and no ``init_dir``: start from a cold-start drafter of the initial policy (``tlt
-    warmup-drafter`` on it, made on first use and cached beside the policy's warm-up) instead of random weights."""
+    cold_start: ColdStartConfig = dataclasses.field(default_factory=ColdStartConfig)
+    """How the drafter starts when no ``init_dir`` is given: from a cold start of the initial policy, or random."""
     probe_prompts: int = 0
     """Speculating engines check every rollout's acceptance (the first after each policy sync and drafter
     push): an acceptance below ``acceptance_alarm`` is an ERROR line and counts in ``spec/acceptance_alarms``
@@ -106,7 +130,7 @@ class DrafterConfig:
     of each group, every group, in prompt order, whole sequences up to this many rows), never trained on. On
     it, each step, the serving drafter, the run's starting drafter (the cold start) and a freshly trained
     candidate are measured alike: teacher-forced acceptance per draft position and the expected acceptance
-    length at depth speculative_tokens, at the rollout's temperature (``drafter/quality.py``), beside the
+    length at depth ``depth``, at the rollout's temperature (``drafter/quality.py``), beside the
     policy's entropy; in summary.json as drafter/quality/* and on the step's TLT line. Costs one policy forward
     over the slice. 0: off (and no push gate)."""
     quality_every: int | None = None
@@ -122,9 +146,9 @@ class DrafterConfig:
         if self.probe_prompts < 0 or not 0.0 <= self.acceptance_alarm <= 1.0:
             raise ConfigError(f"drafter.probe_prompts must be >= 0 and acceptance_alarm in [0, 1], got "
                               f"{self.probe_prompts}, {self.acceptance_alarm}")
-        if self.speculative_tokens < 0 or self.buffer_tokens < 1 or self.pack_tokens < 1:
-            raise ConfigError(f"drafter.speculative_tokens must be >= 0 and buffer_tokens, pack_tokens >= 1, got "
-                              f"{self.speculative_tokens}, {self.buffer_tokens}, {self.pack_tokens}")
+        if self.depth < 0 or self.buffer_tokens < 1 or self.pack_tokens < 1:
+            raise ConfigError(f"drafter.depth must be >= 0 and buffer_tokens, pack_tokens >= 1, got "
+                              f"{self.depth}, {self.buffer_tokens}, {self.pack_tokens}")
         if self.unroll_steps < 1:
             raise ConfigError(f"drafter.unroll_steps must be >= 1 (1: no unrolling), got {self.unroll_steps}")
         check_choices(self, "drafter")
@@ -136,8 +160,8 @@ class DrafterConfig:
         if min(self.hidden_weight, self.ce_weight, self.tv_weight) < 0:
             raise ConfigError(f"drafter.hidden_weight, ce_weight and tv_weight must be >= 0, got {self.hidden_weight}, "
                               f"{self.ce_weight}, {self.tv_weight}")
-        if self.lr <= 0 or (self.spot_lr is not None and self.spot_lr <= 0):
-            raise ConfigError(f"drafter.lr and drafter.spot_lr must be > 0, got {self.lr}, {self.spot_lr}")
+        if not self.lr > 0:
+            raise ConfigError(f"drafter.lr must be > 0, got {self.lr}")
         if self.spot_cost_bound is not None and not 0.0 < self.spot_cost_bound < 1.0:
             raise ConfigError(f"drafter.spot_cost_bound must be in (0, 1) or null, got {self.spot_cost_bound}")
         if self.spot_duty_cycle is not None and not 0.0 < self.spot_duty_cycle <= 1.0:

@@ -99,7 +99,7 @@ class TLTConfig:
         if self.data.path is not None and self.model.hf_dir is None:
             raise ConfigError("data.path needs model.hf_dir (a policy with its tokenizer); the built-in tiny "
                               "policy only knows the built-in task")
-        if self.speculation.adaptive and self.drafter.speculative_tokens > 0:  # without speculation: nothing to pick
+        if self.speculation.adaptive and self.drafter.depth > 0:  # without speculation: nothing to pick
             _check_speculation_fits_drafter(self)
 
 
@@ -113,5 +113,5 @@ def _check_layout(config: TLTConfig) -> None:
 
 
 def _check_speculation_fits_drafter(config: TLTConfig) -> None:
-    """BEG-MAB chooses among depths the engines are built for: up to drafter.speculative_tokens."""
-    config.speculation.arms(config.drafter.speculative_tokens)
+    """BEG-MAB chooses among depths the engines are built for: up to drafter.depth."""
+    config.speculation.arms(config.drafter.depth)

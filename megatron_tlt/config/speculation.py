@@ -16,7 +16,7 @@ class SpeculationConfig:
     whether BEG-MAB is on or not, and the deepest arm against the engine's depth by ``arms``."""
 
     adaptive: bool = False
-    """Let the bandit choose the depth per engine step, up to drafter.speculative_tokens (moot when that is 0)."""
+    """Let the bandit choose the depth per engine step, up to drafter.depth (moot when that is 0)."""
     policy: Literal["bandit", "goodput"] = "bandit"
     """What chooses each step's depth when ``adaptive``: ``bandit`` (BEG-MAB, TLT's: a reward window per
     batch-size bucket and depth) or ``goodput`` (``spec/goodput.py``: the live requests' own acceptance and a
@@ -24,7 +24,7 @@ class SpeculationConfig:
     bucket_bounds: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 5, 21, 32])
     """Inclusive upper batch-size bounds of the buckets (TLT's: 1, 2, 3-5, 6-21, 22-32, then 33+)."""
     depths: list[int] | None = None
-    """The arms (depths K, 0 = off); default 0..drafter.speculative_tokens."""
+    """The arms (depths K, 0 = off); default 0..drafter.depth."""
     epsilon: float = 0.1
     """Share of steps that explore a random depth."""
     exploration: Literal["uniform", "neighbours"] = "uniform"
@@ -90,7 +90,7 @@ class SpeculationConfig:
         depths = tuple(self.depths)
         if not depths:
             raise ConfigError("speculation.depths is empty; give at least one speculation depth K "
-                              "(0 = speculation off), or null for every depth up to drafter.speculative_tokens.")
+                              "(0 = speculation off), or null for every depth up to drafter.depth.")
         duplicates = sorted({k for k in depths if depths.count(k) > 1})
         if duplicates:
             raise ConfigError(f"speculation.depths has duplicate values {duplicates} in {depths}; each arm must "
@@ -99,11 +99,11 @@ class SpeculationConfig:
             raise ConfigError(f"speculation.depths must be >= 0, got {min(depths)} in {depths}.")
 
     def arms(self, max_depth: int) -> tuple[int, ...]:
-        """The bandit's arms in an engine built for depths up to ``max_depth`` (``drafter.speculative_tokens``):
+        """The bandit's arms in an engine built for depths up to ``max_depth`` (``drafter.depth``):
         ``depths``, or every depth 0..max_depth when it is None. Refuses a deeper arm: the engine has no
         drafts beyond its depth to propose."""
         depths = tuple(range(max_depth + 1)) if self.depths is None else tuple(self.depths)
         if max(depths) > max_depth:
             raise ConfigError(f"speculation.depths has {max(depths)}, above the engine's maximum speculation depth "
-                              f"max_depth={max_depth} (drafter.speculative_tokens): lower the depths or raise it.")
+                              f"max_depth={max_depth} (drafter.depth): lower the depths or raise it.")
         return depths

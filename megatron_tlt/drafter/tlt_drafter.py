@@ -70,11 +70,10 @@ class TLTDrafter:
                  start_step: int, is_reporter: bool):
         d = config.drafter
         self.config, self.arch, self.run_dir = config, arch, run_dir
-        online = d if d.spot_lr is None else dataclasses.replace(d, lr=d.spot_lr)
         precision = resolve_precision(d.precision)  # refuses an fp8 this device cannot run, saying why
         if is_reporter:
             logger.info(start_up_line(d.precision, precision))
-        self.trainer = DrafterTrainer(arch, online, seed=config.trainer.seed, precision=precision)
+        self.trainer = DrafterTrainer(arch, d, seed=config.trainer.seed, precision=precision)
         self.tokens_trained = 0
         """Drafter training tokens over the whole run (kept in its checkpoints)."""
         self._serial_rows_owed = 0
@@ -83,8 +82,8 @@ class TLTDrafter:
         self.checkpointer, self.spot = None, None
         info = self._load(start_step, rank=rank, world=world, is_reporter=is_reporter)
         self.serving = None
-        if d.speculative_tokens > 0 and d.quality_rows > 0:  # measured every quality_every steps, pushed through the gate
-            settings = MeasureSettings(depth=d.speculative_tokens, temperature=config.rollout.temperature,
+        if d.depth > 0 and d.quality_rows > 0:  # measured every quality_every steps, pushed through the gate
+            settings = MeasureSettings(depth=d.depth, temperature=config.rollout.temperature,
                                        greedy_draft=config.speculation.draft_sampling == "greedy",
                                        pack_tokens=d.pack_tokens, gate=d.push_gate)
             self.serving = ServingDrafter(self.trainer.drafter, settings, pushes=int(info.get("pushes", 0)),
@@ -109,7 +108,7 @@ class TLTDrafter:
     def for_run(cls, config: TLTConfig, arch: PolicyArchitecture, **kwargs) -> TLTDrafter | NullDrafter:
         """The run's drafter, or a ``NullDrafter`` when it neither speculates nor trains (TLT off)."""
         d = config.drafter
-        if d.speculative_tokens == 0 and not d.spot_training:
+        if d.depth == 0 and not d.spot_training:
             return NullDrafter()
         return cls(config, arch, **kwargs)
 
@@ -145,7 +144,7 @@ class TLTDrafter:
 
     def engine_speculation(self) -> SpeculativeSettings | None:
         """How the rank's engine speculates with this drafter (None: it does not)."""
-        k = self.config.drafter.speculative_tokens
+        k = self.config.drafter.depth
         if k == 0:
             return None
         adaptive = self.config.speculation if self.config.speculation.adaptive else None

@@ -168,7 +168,7 @@ def plan_from_config(args: argparse.Namespace) -> tuple[LayoutPlan, str | None]:
         sequence_parallel=p.sequence_parallel, distributed_optimizer=config.optimizer.distributed,
         engine_tp=config.rollout.engine.tensor_parallel_size,
         gpu_memory_utilization=config.rollout.engine.gpu_memory_utilization,
-        drafter=d.speculative_tokens > 0 or d.spot_training, drafter_buffer_tokens=d.buffer_tokens,
+        drafter=d.depth > 0 or d.spot_training, drafter_buffer_tokens=d.buffer_tokens,
         drafter_pack_tokens=d.pack_tokens)
     options = dataclasses.replace(options, **_given(args, DIRECT_OPTIONS))
     plan = plan_layout(arch, nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp=p.tensor_parallel_size,

@@ -76,13 +76,13 @@ class KVCacheNeed:
 
 
 def kv_cache_need(arch: PolicyArchitecture, *, sequences: int, tokens_per_sequence: int, engine_tp: int = 1,
-                  dtype: str = "float32", speculative_tokens: int = 0) -> KVCacheNeed:
+                  dtype: str = "float32", depth: int = 0) -> KVCacheNeed:
     """The need of ``sequences`` of ``tokens_per_sequence`` tokens (prompt + response) in an engine of
-    ``engine_tp`` ranks running ``dtype``; speculating ``speculative_tokens`` deep adds the drafter's layer
+    ``engine_tp`` ranks running ``dtype``; speculating ``depth`` deep adds the drafter's layer
     and the draft slots vLLM reserves per sequence."""
-    per_token = kv_cache_bytes_per_token(arch, engine_tp, extra_layers=int(speculative_tokens > 0),
+    per_token = kv_cache_bytes_per_token(arch, engine_tp, extra_layers=int(depth > 0),
                                          dtype_bytes=engine_dtype_bytes(dtype))
-    return KVCacheNeed(sequences=sequences, tokens_per_sequence=tokens_per_sequence + speculative_tokens,
+    return KVCacheNeed(sequences=sequences, tokens_per_sequence=tokens_per_sequence + depth,
                        bytes_per_token=per_token)
 
 
@@ -101,7 +101,7 @@ def rollout_kv_need(config: TLTConfig, engine: RolloutEngineConfig, arch: Policy
         tokens = min(tokens, engine.max_model_len)
     return kv_cache_need(arch, sequences=sequences, tokens_per_sequence=tokens,
                          engine_tp=engine.tensor_parallel_size or 1, dtype=engine.dtype,
-                         speculative_tokens=config.drafter.speculative_tokens)
+                         depth=config.drafter.depth)
 
 
 def shortfall_warning(need: KVCacheNeed, *, num_blocks: int, block_size: int, held: str,

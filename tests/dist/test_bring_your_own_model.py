@@ -22,7 +22,7 @@ from megatron_tlt.formats.hf_io import HFCheckpointReader
 
 TRAIN = ["--config", "hf", "parallel.data_parallel_size=1", "trainer.steps=2", "trainer.save_every=1",
          "trainer.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_response_tokens=16",
-         "trainer.eval_every=0", "data.reward=exact_match", "drafter.speculative_tokens=2"]
+         "trainer.eval_every=0", "data.reward=exact_match", "drafter.depth=2"]
 SERVED_MESSAGES = [{"role": "user", "content": "Q: 12+7-3=?\nA:"}]
 
 

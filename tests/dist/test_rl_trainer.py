@@ -303,7 +303,7 @@ def tp2_run(env, tp2_cache, spot_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "tp2"
     result = _train(env, *SMALL, "trainer.steps=2", "trainer.save_every=2", "parallel.tensor_parallel_size=2",
                     "parallel.data_parallel_size=1", "parallel.sequence_parallel=true", "trainer.recompute=full",
-                    "optimizer.distributed=true", "drafter.quality_every=1", "drafter.speculative_tokens=2",
+                    "optimizer.distributed=true", "drafter.quality_every=1", "drafter.depth=2",
                     "speculation.adaptive=true", "speculation.draft_sampling=greedy", f"drafter.init_dir={zeroed}",
                     f"warmup.cache_dir={tp2_cache}", f"trainer.run_dir={run_dir}")
     return run_dir, result.stderr
@@ -350,7 +350,7 @@ def test_spot_training_at_pipeline_parallel_2_feeds_the_drafter_on_both_stages(e
     # where PP=2 alone pads to 384; the weight sync's pipeline broadcast once assumed 384 and aborted.
     run_dir = tmp_path / "pp2-spot"
     _train(env, *SMALL, "trainer.steps=2", "trainer.save_every=2", "parallel.pipeline_parallel_size=2",
-           "parallel.data_parallel_size=1", "drafter.spot_training=true", "drafter.speculative_tokens=2",
+           "parallel.data_parallel_size=1", "drafter.spot_training=true", "drafter.depth=2",
            "drafter.pack_tokens=64", "drafter.spot_duty_cycle=1.0", f"warmup.cache_dir={tp2_cache}",
            f"trainer.run_dir={run_dir}")
     records = _summary(run_dir)
@@ -465,7 +465,7 @@ def spot_run_result(env, tmp_path_factory):
     Packs of 64 rows take a few ms. Returns (run directory, the finished `tlt train`: its console output)."""
     run_dir = tmp_path_factory.mktemp("runs") / "spot"
     result = _train(_with_slow_rank(env), *SMALL, "trainer.steps=4", "trainer.save_every=2",
-                    "drafter.spot_training=true", "drafter.speculative_tokens=2", "speculation.adaptive=true",
+                    "drafter.spot_training=true", "drafter.depth=2", "speculation.adaptive=true",
                     "drafter.pack_tokens=64", "drafter.spot_duty_cycle=1.0", "drafter.probe_prompts=2",
                     "drafter.quality_every=1", f"trainer.run_dir={run_dir}")
     return run_dir, result
@@ -538,7 +538,7 @@ def test_the_serial_schedule_trains_its_rows_after_the_update_and_none_while_it_
     """drafter.schedule=serial, the peers' co-training (bench/tlt_end_to_end.py's baseline arm): every rank
     trains drafter.serial_tokens rows after the update, on the critical path, and none in the rollout's tail."""
     run_dir = tmp_path / "serial"
-    _train(env, *SMALL, "trainer.steps=2", "drafter.spot_training=true", "drafter.speculative_tokens=2",
+    _train(env, *SMALL, "trainer.steps=2", "drafter.spot_training=true", "drafter.depth=2",
            "drafter.schedule=serial", "drafter.serial_tokens=128", "drafter.pack_tokens=64",
            f"trainer.run_dir={run_dir}")
     records = _summary(run_dir)

@@ -185,7 +185,7 @@ def test_vllm_cpu_makes_the_kv_blocks_the_rollout_need_counts(fixed_engine_resul
 
     # the default 1 GiB cache of a float32 engine speculating with one drafter layer (5 layers of 2 KV heads of 32)
     need = kv_budget.kv_cache_need(architecture_from_dict(TINY_LLAMA_ROLLOUT), sequences=1, tokens_per_sequence=1,
-                                   dtype="float32", speculative_tokens=K)
+                                   dtype="float32", depth=K)
     assert need.bytes_per_token == 2 * 5 * 2 * 32 * 4
     blocks = kv_budget.cpu_blocks(1, need)
     assert fixed_engine_results["kv_cache_blocks"] == (blocks, kv_budget.VLLM_CPU_BLOCK_SIZE) == (3276, 128)

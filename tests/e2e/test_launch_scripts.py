@@ -297,7 +297,7 @@ def test_flagship_config_loads_and_its_layout_fills_64_gpus():
     assert world_size(config) == 64
     assert config.model.dtype == "bfloat16" and config.rollout.engine.dtype == "bfloat16"
     assert config.model.hf_dir and config.data.path
-    assert config.drafter.speculative_tokens > 0
+    assert config.drafter.depth > 0
     assert config.speculation.adaptive and config.speculation.max_speculative_batch == 32
     assert config.trainer.prompts_per_step % p.data_parallel_size == 0
     if SHIPPED_70B_MODEL.joinpath("config.json").is_file():  # shipped beside `tlt plan`

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_tlt_train_runs_two_speculative_steps_with_the_spot_trainer_on_one_gpu(tmp_path):
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "megatron_tlt.cli", "train", *SMALL, "trainer.steps=2",
-               "parallel.data_parallel_size=1", "drafter.speculative_tokens=2", "drafter.spot_training=true",
+               "parallel.data_parallel_size=1", "drafter.depth=2", "drafter.spot_training=true",
                f"trainer.run_dir={run_dir}"]
     result = subprocess.run(command, cwd=REPO, env=dict(os.environ, TLT_CACHE_DIR=str(tmp_path / "cache")),
                             capture_output=True, text=True, timeout=480)

@@ -132,7 +132,7 @@ def test_neighbour_exploration_measures_only_the_depths_next_to_the_best():
         depth = edge.choose(1)
         edge.observe(0, depth, {0: 10, 1: 20, 2: 30}[depth])
     assert {edge.choose(1) for _ in range(50)} == {1, 2}
-    with pytest.raises(ConfigError, match="speculation.exploration must be uniform or neighbours, got 'greedy'"):
+    with pytest.raises(ConfigError, match="speculation.exploration must be one of uniform, neighbours, got 'greedy'"):
         SpeculationConfig(exploration="greedy")
 
 

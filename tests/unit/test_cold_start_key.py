@@ -1,4 +1,4 @@
-"""Where ``drafter.cold_start`` and the benchmarks find their drafter: a cache entry keyed by what the cold
+"""Where ``drafter.cold_start.enabled`` and the benchmarks find their drafter: a cache entry keyed by what the cold
 start reads, shared by runs that differ only in RL-side drafter settings."""
 
 import pytest
@@ -13,8 +13,9 @@ def _entry(tmp_path, *overrides: str) -> str:
 
 def test_tlt_on_and_off_share_the_cold_start_drafter(tmp_path):
     off = _entry(tmp_path)
-    on = _entry(tmp_path, "drafter.speculative_tokens=4", "drafter.spot_training=true", "drafter.cold_start=true",
-                "speculation.adaptive=true", "drafter.probe_prompts=2")
+    # the online rate is not the cold start's (drafter.cold_start.lr)
+    on = _entry(tmp_path, "drafter.depth=4", "drafter.spot_training=true", "drafter.cold_start.enabled=true",
+                "drafter.lr=1e-2", "speculation.adaptive=true", "drafter.probe_prompts=2")
     # nor does how rewards are scored: the cold start scores nothing
     pooled = _entry(tmp_path, "data.reward_workers=2", "data.reward_timeout_s=5", "data.ray_address=auto")
     assert pooled == off
@@ -22,12 +23,14 @@ def test_tlt_on_and_off_share_the_cold_start_drafter(tmp_path):
     assert _entry(tmp_path, "rollout.agreement_bound=1.2", "rollout.agreement_stop_level=2") == off
     assert off == on and off.startswith(str(tmp_path / "drafter-"))
     # not shipped, not made: under torchrun it must exist beforehand
-    with pytest.raises(FileNotFoundError, match="drafter.cold_start: no cold-start drafter cached at") as err:
+    with pytest.raises(FileNotFoundError, match="drafter.cold_start.enabled: no cold-start drafter cached at") as err:
         cold_start_drafter("tiny", [f"warmup.cache_dir={tmp_path}", "warmup.use_shipped=false"], make=False)
     assert str(err.value).split(" cached at ")[1].split(";")[0] == off
 
 
-@pytest.mark.parametrize("override", ["rollout.temperature=0.6", "rollout.max_response_tokens=64", "drafter.lr=1e-2",
+@pytest.mark.parametrize("override", ["rollout.temperature=0.6", "rollout.max_response_tokens=64",
+                                      "drafter.cold_start.lr=1e-2", "drafter.cold_start.epochs=2",
+                                      "drafter.cold_start.eval_depth=4",
                                       "model.tiny.num_layers=2", "data.max_solution_steps=8", "trainer.seed=7",
                                       "parallel.data_parallel_size=1", "drafter.unroll_steps=2",
                                       "data.curriculum_steps=5 data.curriculum_max_prompt_tokens=15"])

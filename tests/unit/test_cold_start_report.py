@@ -6,12 +6,12 @@ import time
 from pathlib import Path
 
 from megatron_tlt.commands import start
-from megatron_tlt.commands.start import ColdStart, cold_start_settings, obtain_cold_start
+from megatron_tlt.commands.start import ColdStart, obtain_cold_start
 from megatron_tlt.config import load_config
 from megatron_tlt.rl.run import run_dir as run_files
 from megatron_tlt.rl.run.metric_loggers import MetricLoggers
 
-FIGURES = {"tokens_trained": 100, "train_prompts": 18, "eval_prompts": 6, "epochs": 2, "draft_tokens": 2,
+FIGURES = {"tokens_trained": 100, "train_prompts": 18, "eval_prompts": 6, "epochs": 2, "eval_depth": 2,
            "held_out_top1_agreement_before": 0.25, "held_out_top1_agreement_after": 0.5,
            "held_out_loss_before": 2.0, "held_out_loss_after": 1.0,
            "mean_acceptance_length_before": 1.5, "mean_acceptance_length_after": 2.25}
@@ -31,9 +31,10 @@ def test_a_cold_start_the_run_makes_says_what_it_does_and_why_first_and_what_it_
     overrides = [f"warmup.cache_dir={tmp_path}", "warmup.use_shipped=false"]
     launched = {}
 
-    def warm_up(config_name, overrides, *, policy, out_dir, settings, log_dir, announce):
+    def warm_up(config_name, overrides, *, policy, out_dir, log_dir, announce):
         """Stands in for the launch of the warm-up's ranks (tests/dist/test_rl_trainer.py runs the real one)."""
-        launched.update(out_dir=out_dir, settings=settings, log_dir=log_dir, before=announce + "\n")
+        launched.update(out_dir=out_dir, settings=load_config(config_name, overrides).drafter.cold_start,
+                        log_dir=log_dir, before=announce + "\n")
         Path(out_dir).mkdir(parents=True)
         (Path(out_dir) / "model.safetensors").write_bytes(b"")
         time.sleep(0.05)
@@ -41,7 +42,7 @@ def test_a_cold_start_the_run_makes_says_what_it_does_and_why_first_and_what_it_
 
     monkeypatch.setattr(start, "start_drafter_warmup", warm_up)
     made = obtain_cold_start("tiny", overrides)
-    settings = cold_start_settings(load_config("tiny", overrides))
+    settings = load_config("tiny", overrides).drafter.cold_start
     assert made.source == "made" and made.figures == FIGURES and made.seconds >= 0.05
     assert launched["out_dir"] == str(made.directory) and launched["settings"] == settings
     # outside a run its ranks log beside the cache entry (`tlt train` passes RUN_DIR/logs/cold_start)

@@ -104,20 +104,20 @@ def test_the_resolved_config_round_trips_through_yaml(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.bucket_bounds=[1,5,5]"],
+    (["speculation.adaptive=true", "drafter.depth=3", "speculation.bucket_bounds=[1,5,5]"],
      r"speculation.bucket_bounds must be strictly increasing, got 5 then 5 .* the buckets would overlap"),
-    (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.depths=[0,2,4]"],
+    (["speculation.adaptive=true", "drafter.depth=3", "speculation.depths=[0,2,4]"],
      r"speculation.depths has 4, above the engine's maximum speculation depth max_depth=3"),
-    (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.epsilon=1.5"],
+    (["speculation.adaptive=true", "drafter.depth=3", "speculation.epsilon=1.5"],
      r"speculation.epsilon must be in \[0, 1\], got 1.5"),
-    (["speculation.adaptive=true", "drafter.speculative_tokens=3", "speculation.epsilon=-0.1"],
+    (["speculation.adaptive=true", "drafter.depth=3", "speculation.epsilon=-0.1"],
      r"speculation.epsilon must be in \[0, 1\]"),
     (["drafter.unroll_steps=0"], r"drafter.unroll_steps must be >= 1 \(1: no unrolling\), got 0"),
     (["drafter.schedule=after"], r"drafter.schedule must be one of idle, serial, got 'after'"),
     (["drafter.spot_training=true", "drafter.schedule=serial"],
      r"drafter.schedule=serial .* needs drafter.spot_training=true and drafter.serial_tokens >= 1, got "
      r"spot_training=true, serial_tokens=0"),
-    (["drafter.speculative_tokens=3", "speculation.draft_sampling=sampled"],
+    (["drafter.depth=3", "speculation.draft_sampling=sampled"],
      r"speculation.draft_sampling must be one of probabilistic, greedy, got 'sampled'"),
 ])
 def test_bad_bandit_settings_are_refused_at_start_up(overrides, message):
@@ -128,11 +128,11 @@ def test_bad_bandit_settings_are_refused_at_start_up(overrides, message):
 def test_the_bandit_takes_the_speculation_section_with_every_depth_up_to_the_engines_by_default():
     from megatron_tlt.spec.bandit import BucketedEpsilonGreedy
 
-    config = load_config(None, ["speculation.adaptive=true", "drafter.speculative_tokens=3"])
+    config = load_config(None, ["speculation.adaptive=true", "drafter.depth=3"])
     settings = config.speculation
-    assert settings.depths is None and settings.arms(config.drafter.speculative_tokens) == (0, 1, 2, 3)
+    assert settings.depths is None and settings.arms(config.drafter.depth) == (0, 1, 2, 3)
     assert settings.bucket_bounds == [1, 2, 5, 21, 32] and settings.max_speculative_batch is None
-    bandit = BucketedEpsilonGreedy(settings, max_depth=config.drafter.speculative_tokens, seed=config.trainer.seed)
+    bandit = BucketedEpsilonGreedy(settings, max_depth=config.drafter.depth, seed=config.trainer.seed)
     assert bandit.summary()["1"]["pulls"] == {"0": 0, "1": 0, "2": 0, "3": 0}
     assert not load_config(None, []).speculation.adaptive  # off by default: the engines get no bandit
 
@@ -209,9 +209,9 @@ def test_help_config_prints_every_key_with_its_type_default_and_docstring(capsys
         assert f"  {key} (" in out, key
     # what `tlt train` runs, and the field's own default where tiny.yaml sets another
     assert "  rollout.temperature (float; `tlt train`: 1.0)" in out
-    assert "  drafter.speculative_tokens (int; `tlt train`: 8; field default 0)" in out
+    assert "  drafter.depth (int; `tlt train`: 8; field default 0)" in out
     assert "  speculation.depths (list[int] | None; `tlt train`: null)" in out
-    assert "The arms (depths K, 0 = off); default 0..drafter.speculative_tokens." in out
+    assert "The arms (depths K, 0 = off); default 0..drafter.depth." in out
     assert "  drafter.schedule (Literal['idle', 'serial']; `tlt train`: idle)" in out
     assert "GRPO group size n." in out and "\nspeculation: BEG-MAB" in out
 
@@ -230,10 +230,10 @@ def test_the_build_keys_become_the_policy_build_options():
 
 def test_tlt_is_on_in_the_tiny_default_and_two_overrides_turn_it_off():
     on = load_config("tiny")
-    assert on.drafter.speculative_tokens > 0 and on.drafter.spot_training and on.drafter.cold_start
+    assert on.drafter.depth > 0 and on.drafter.spot_training and on.drafter.cold_start.enabled
     assert on.speculation.adaptive
-    off = load_config("tiny", ["drafter.speculative_tokens=0", "drafter.spot_training=false"])
-    assert off.drafter.speculative_tokens == 0 and not off.drafter.spot_training
+    off = load_config("tiny", ["drafter.depth=0", "drafter.spot_training=false"])
+    assert off.drafter.depth == 0 and not off.drafter.spot_training
 
 
 def test_model_hf_dir_without_a_config_picks_the_pretrained_config_and_says_so():
@@ -251,16 +251,26 @@ def test_the_pretrained_config_holds_rl_settings_for_a_pretrained_model_and_need
     config = load_config("hf", ["model.hf_dir=/models/mine"])
     assert config.optimizer.lr == 1e-6 and config.algorithm.kl_coef == 0.001
     assert (config.rollout.samples_per_prompt, config.rollout.max_response_tokens) == (8, 1024)
-    assert config.drafter.cold_start and config.drafter.spot_training and config.speculation.adaptive
+    assert config.drafter.cold_start.enabled and config.drafter.spot_training and config.speculation.adaptive
     check_pretrained_config("hf", config)
     with pytest.raises(ConfigError, match="--config hf trains a pretrained model: set model.hf_dir=DIR"):
         check_pretrained_config("hf", load_config("hf"))
     check_pretrained_config("tiny", load_config("tiny"))
 
 
-def test_the_cold_start_of_a_pretrained_policy_is_sized_for_its_prompts_and_keeps_the_tiny_defaults_key():
-    from megatron_tlt.commands.start import COLD_START, cold_start_settings
+def test_the_cold_start_is_a_config_section_the_tiny_default_and_a_pretrained_policy_size_for_their_prompts():
+    tiny = load_config("tiny").drafter.cold_start
+    assert (tiny.prompts, tiny.eval_prompts, tiny.epochs, tiny.lr, tiny.eval_depth) == (4096, 128, 16, 3e-3, 6)
+    pretrained = load_config("hf", ["model.hf_dir=/models/mine"]).drafter.cold_start
+    assert (pretrained.prompts, pretrained.eval_prompts, pretrained.epochs, pretrained.eval_depth) == (512, 32, 2, 4)
 
-    assert cold_start_settings(load_config("tiny")) is COLD_START  # the shipped drafter's cache key is unchanged
-    pretrained = cold_start_settings(load_config("hf", ["model.hf_dir=/models/mine"]))
-    assert (pretrained.prompts, pretrained.epochs, pretrained.draft_tokens) == (512, 2, 4)
+
+@pytest.mark.parametrize("old, message", [
+    ("drafter.cold_start=true", "now a section: drafter.cold_start.enabled=true|false"),
+    ("drafter.spot_lr=1e-4", "drafter.lr is now the online steps' rate"),
+    ("drafter.speculative_tokens=4", "renamed drafter.depth"),
+])
+def test_a_key_that_was_renamed_or_became_a_section_names_what_to_write_now(old, message):
+    with pytest.raises(ConfigError, match=rf"config key '{old.split('=')[0]}' in the command line was removed: "
+                                          rf"{re.escape(message)}"):
+        load_config("tiny", [old])

@@ -155,7 +155,7 @@ def test_speculation_policy_names_the_model():
     settings = SpeculationConfig(adaptive=True, policy="goodput", depths=[0, 2])
     assert isinstance(depth_policy_for(settings, 2), GoodputDepthModel)
     assert isinstance(depth_policy_for(SpeculationConfig(adaptive=True), 2), BucketedEpsilonGreedy)
-    with pytest.raises(ConfigError, match="speculation.policy must be bandit or goodput, got 'ucb'"):
+    with pytest.raises(ConfigError, match="speculation.policy must be one of bandit, goodput, got 'ucb'"):
         SpeculationConfig(policy="ucb")
 
 

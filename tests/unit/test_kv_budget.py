@@ -98,7 +98,7 @@ def test_the_rollout_need_follows_the_run_config():
     capped = RolloutEngineConfig(max_model_len=512, max_num_seqs=16, tensor_parallel_size=1)
     need = K.rollout_kv_need(config, capped, SMOLLM2_135M, longest_prompt=32, engines_per_replica=1)
     assert (need.sequences, need.tokens_per_sequence) == (16, 512 + 8)
-    no_drafter = load_config("tiny", ["drafter.speculative_tokens=0", "speculation.adaptive=false"])
+    no_drafter = load_config("tiny", ["drafter.depth=0", "speculation.adaptive=false"])
     bf16 = RolloutEngineConfig(dtype="bfloat16", tensor_parallel_size=1)
     need = K.rollout_kv_need(no_drafter, bf16, SMOLLM2_135M, longest_prompt=32, engines_per_replica=1)
     assert (need.tokens_per_sequence, need.bytes_per_token) == (800, BYTES_135M_FP32 / 2)
