@@ -107,6 +107,18 @@ class DataConfig:
     other ranks join, and stops it at the end of the run: no set-up on one machine or on a cluster."""
     max_prompt_tokens: int = 128
     """Longer prompts are counted as malformed and skipped."""
+    prompt_key: str = "prompt"
+    """With path: the key of a row's prompt, plain text or a list of ``{"role", "content"}`` chat messages."""
+    ground_truth_keys: list[str] = dataclasses.field(
+        default_factory=lambda: ["reward_model.ground_truth", "ground_truth", "answer"])
+    """With path: the keys tried in order for a row's reference answer; the first whose value is not null wins. A
+    dot descends into nested objects (VeRL's ``reward_model: {"ground_truth": ...}``) unless the row has the dotted
+    key itself. Numbers are turned into text."""
+    data_source_key: str = "data_source"
+    """With path: the key naming the dataset a row came from (VeRL's ``data_source``); none where a row lacks it."""
+    add_bos_to_text: bool = True
+    """With path: prepend BOS to plain-text prompts (no-op for tokenizers without one); chat templates write
+    their own."""
     synthetic_prompts: int = 4096
     """Size of the built-in task's RL prompt set (when path is None)."""
     max_solution_steps: int = 20
@@ -128,7 +140,10 @@ class DataConfig:
     built-in task a problem of k operations has a prompt of 8 + 2k tokens or so (15: up to 3 operations)."""
 
     def __post_init__(self) -> None:
-        _require_at_least_one("data", max_solution_steps=self.max_solution_steps)
+        _require_at_least_one("data", max_solution_steps=self.max_solution_steps,
+                              max_prompt_tokens=self.max_prompt_tokens)
+        if not self.ground_truth_keys:
+            raise ConfigError("data.ground_truth_keys is empty: name at least one key, e.g. [answer]")
         if self.reward_workers < 0:
             raise ConfigError(f"data.reward_workers must be >= 0 (0: score inline), got {self.reward_workers}")
         if not self.reward_timeout_s > 0.0:  # written so that NaN fails too

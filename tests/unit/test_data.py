@@ -272,3 +272,16 @@ def test_impossible_sampler_layouts_are_rejected_naming_the_setting_to_change():
         PromptSampler(5, batch_prompts=6, dp_rank=0, dp_size=1, seed=0)
     assert str(too_few.value) == ("the dataset has 5 usable prompts, fewer than one step takes "
                                   "(trainer.prompts_per_step=6): set trainer.prompts_per_step to at most 5 or add data")
+
+
+def test_the_data_keys_of_a_prompt_file_are_config_keys_a_run_can_set():
+    from megatron_tlt.config import ConfigError, load_config
+
+    data = load_config("tiny", ["data.prompt_key=question", "data.ground_truth_keys=[meta.solution,answer]",
+                                "data.data_source_key=origin", "data.add_bos_to_text=false",
+                                "data.max_prompt_tokens=64"]).data
+    assert PromptDataConfig.from_config(data) == PromptDataConfig(
+        prompt_key="question", ground_truth_keys=("meta.solution", "answer"), data_source_key="origin",
+        max_prompt_tokens=64, add_bos_to_text=False)
+    with pytest.raises(ConfigError, match=r"data.ground_truth_keys is empty"):
+        load_config("tiny", ["data.ground_truth_keys=[]"])

@@ -46,32 +46,29 @@ class DataError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PromptDataConfig:
-    """Where a row keeps its prompt, ground truth and source, and how long a prompt may be."""
+    """Where a row keeps its prompt, ground truth and source, and how long a prompt may be: the ``data.*`` keys of
+    the same names (``from_config``)."""
 
     prompt_key: str = "prompt"
-    """Key of the prompt: plain text, or a list of ``{"role", "content"}`` chat messages."""
-
     ground_truth_keys: tuple[str, ...] = ("reward_model.ground_truth", "ground_truth", "answer")
-    """Keys tried in order for the reference answer; the first whose value is not null wins. A dot descends
-    into nested objects (VeRL's ``reward_model: {"ground_truth": ...}``) unless the row has the dotted key
-    itself. Numbers are turned into text."""
-
     data_source_key: str = "data_source"
-    """Key naming the dataset a row came from (VeRL's ``data_source``); None when absent."""
-
     max_prompt_tokens: int = 1024
-    """Longest prompt, in tokens after chat rendering; longer rows are skipped as ``prompt_too_long``."""
-
     add_bos_to_text: bool = True
-    """Prepend BOS to plain-text prompts (no-op for tokenizers without one). Chat templates write their own."""
 
     def __post_init__(self):
-        # YAML and dotted overrides hand us lists; keep the frozen config hashable.
+        # a list from YAML; kept a tuple so the frozen config hashes
         object.__setattr__(self, "ground_truth_keys", tuple(self.ground_truth_keys))
         if not self.ground_truth_keys:
-            raise ValueError("data.ground_truth_keys is empty: name at least one key, e.g. ['answer']")
+            raise ValueError("data.ground_truth_keys is empty: name at least one key, e.g. [answer]")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+    @classmethod
+    def from_config(cls, data) -> PromptDataConfig:
+        """From the run's ``DataConfig``."""
+        return cls(prompt_key=data.prompt_key, ground_truth_keys=data.ground_truth_keys,
+                   data_source_key=data.data_source_key, max_prompt_tokens=data.max_prompt_tokens,
+                   add_bos_to_text=data.add_bos_to_text)
 
 
 @dataclasses.dataclass(frozen=True)

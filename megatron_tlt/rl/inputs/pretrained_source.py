@@ -27,8 +27,7 @@ class PretrainedSource:
         if self.config.data.path is None:
             raise ValueError("model.hf_dir needs a prompt file in data.path")
         tokenizer = load_tokenizer(self.hf_dir)
-        dataset = load_prompt_dataset(self.config.data.path, tokenizer,
-                                      PromptDataConfig(max_prompt_tokens=self.config.data.max_prompt_tokens))
+        dataset = load_prompt_dataset(self.config.data.path, tokenizer, PromptDataConfig.from_config(self.config.data))
         return Task(tokenizer, self.architecture(), dataset, [])
 
     def initial_policy_dir(self, task: Task, *, show_progress: bool) -> Path | None:
