@@ -56,29 +56,21 @@ class DrafterConfig:
     """Feature rows kept for drafter training; the oldest whole sequences are dropped first."""
     pack_tokens: int = 1024
     """Training rows per drafter micro-step (a preempted one stops within one draft step). A sequence with more
-    rows is split into chunks that cannot attend to the earlier ones, so keep it above the longest prompt +
-    response: at 256 the tiny default's drafter accepted half as many tokens in the rollout's long tail
-    (bench/RESULTS.md)."""
+    rows is split into chunks that cannot attend to the earlier ones: keep it above the longest prompt + response."""
     pack_order: Literal["shuffled", "newest"] = "shuffled"
     """Which buffered sequences a step's micro-steps train on first: ``shuffled`` (a fresh random order over the
     whole buffer each step, different on each rank) or ``newest`` (the newest first, the packs made so far cycled
-    again: a long idle tail trains the last step's few groups over and over). Measured on held-out rollouts
-    (bench/RESULTS.md, 2026-11-29), with heads_version: from the in-domain cold start, where the spot trainer trains
-    little, newest 1.008x the frozen cold start against shuffled 1.006x (noise); from a weak start trained hard
-    (spot_lr 3e-3, duty 1.0), shuffled 1.408x over its start against newest 1.289x."""
+    again: a long idle tail trains the last step's few groups over and over)."""
     heads_version: Literal["features", "newest"] = "features"
     """The policy embedding and LM head the drafter trains with: ``features`` (those of the policy that made the
     newest features, so heads and features agree, as in the serial schedule) or ``newest`` (the policy after the
-    last update, one version ahead of every feature in the buffer); see pack_order for what it measured."""
+    last update, one version ahead of every feature in the buffer)."""
     hidden_weight: float = 1.0
     ce_weight: float = 0.1
     tv_weight: float = 0.0
     """Weight of the total-variation distance between the policy's and the drafter's next-token distributions in
     the drafter's loss (``drafter/loss.py``): 1 - tv is the acceptance of a sampled draft at temperature 1, so
-    this term trains for acceptance itself. 0: EAGLE's loss only. A cold start of 1024 prompts x 4 epochs on the
-    same responses (CPU, 2026-11-29): held-out top-1 agreement 0.508 at 0, 0.531 at 1.0, acceptance length at depth
-    2 1.68 against 1.77; online from the cold start 1.008x against 0.999x without it, within noise (bench/RESULTS.md).
-    Off by default: a new weight makes a new cold-start cache entry (the shipped one is made without it)."""
+    this term trains for acceptance itself. 0: EAGLE's loss only (the shipped cold start is made with 0)."""
     unroll_steps: int = 1
     """Draft steps each training row is unrolled over (training-time test, as EAGLE-3 and HASS train; the
     loss is their mean): at step k the drafter reads its own step k-1 prediction where step 1 reads the
@@ -95,9 +87,9 @@ class DrafterConfig:
     the buffer gives none."""
     spot_duty_cycle: float | None = None
     """Fraction of a rank's idle time the spot trainer may train: after a micro-step of t seconds it rests
-    t * (1 - d) / d. Default: 1.0 on GPU, where each rank trains on its own device; 0.25 on CPU, where the
-    ranks share one memory bus and an idle rank's training slows the ranks still generating
-    (bench/spot_overhead.py: +7.8% critical path at 1.0, none measurable at 0.25)."""
+    t * (1 - d) / d. null: decided when the run starts (``drafter/device_defaults.py``): 1.0 on GPU, where each rank
+    trains on its own device; 0.25 on CPU, where the ranks share one memory bus and an idle rank's training slows
+    the ranks still generating."""
     spot_cost_bound: float | None = 0.02
     """Share of the rollout the spot trainer may cost the ranks still generating before its duty cycle backs off.
     Each step measures it (drafter/spot_rollout_cost: the generating ranks' engine steps that ran while another
@@ -105,13 +97,11 @@ class DrafterConfig:
     ``drafter/neighbour_slowdown.py``); above the bound the duty cycle is halved, below half of it raised by 1.1x,
     never above spot_duty_cycle (drafter/duty_cycle: the one used). None: the duty cycle stays as set."""
     precision: DrafterPrecision = "auto"
-    """auto, fp32, bf16 or fp8. auto: fp8 only where it measured faster, through a backend (Transformer Engine or
-    torchao) that megatron_tlt/drafter/fp8_measured.json says trained at >= 1.05x bf16's tokens/s on this GPU (by
-    name) in the mode the trainer runs (eager), else bf16 on GPU, fp32 on CPU; TE too needs its row. No GPU has such
-    a row yet: an H200 measured torchao's eager float8 at 0.48x bf16 (bench/RESULTS.md), so auto is bf16 on GPU.
-    bench/drafter_precision.py --record adds rows. fp8: through TE, else torchao's float8 training, measured or not;
-    refused at start-up, saying why, where neither can run. The path taken and why are logged and in summary.json as
-    drafter/precision and drafter/precision_reason."""
+    """How the drafter trains. auto: fp8 only through a backend (Transformer Engine or torchao) that
+    megatron_tlt/drafter/fp8_measured.json says trained at >= 1.05x bf16's tokens/s on this GPU (by name) in the mode
+    the trainer runs (eager; ``bench/drafter_precision.py --record`` adds rows), else bf16 on GPU, fp32 on CPU. fp8:
+    through TE, else torchao's float8 training, measured or not; refused at start-up, saying why, where neither can
+    run. The path taken and why are logged and in summary.json (drafter/precision, drafter/precision_reason)."""
     init_dir: str | None = None
     """Start from this EAGLE drafter directory (e.g. made by ``tlt warmup-drafter``) instead of random weights."""
     cold_start: ColdStartConfig = dataclasses.field(default_factory=ColdStartConfig)
@@ -122,7 +112,7 @@ class DrafterConfig:
     (a drafter lost or broken in the push). With probe_prompts > 0 each engine also answers this many
     fixed prompts greedily at full depth right after the sync (``spec/probe_acceptance_rate``): a check
     that does not depend on the sampling temperature or the depths BEG-MAB chose, at the cost of a
-    generation per step (0.3-0.4 s of a 3.5 s step with 4 prompts on the 2-core CPU)."""
+    generation per step."""
     acceptance_alarm: float = 0.05
     """Accepted share of a rollout's (or probe's) draft tokens below which the alarm fires."""
     quality_rows: int = 512
@@ -135,8 +125,8 @@ class DrafterConfig:
     over the slice. 0: off (and no push gate)."""
     quality_every: int | None = None
     """Measure the drafters (``quality_rows``) and decide a push every this many steps, from step 1; a candidate
-    trains on meanwhile. Default: every step on GPU, where one forward over the slice is a sliver of a step;
-    every 4th on CPU, where measuring cost 5-8% of a tiny-default step (bench/RESULTS.md)."""
+    trains on meanwhile. null: decided when the run starts (``drafter/device_defaults.py``): every step on GPU,
+    where one forward over the slice is a sliver of a step; every 4th on CPU."""
     push_gate: bool = True
     """A drafter trained online replaces the one the engines serve only when it measures at least as well on
     the held-out slice (``quality_rows``); otherwise the serving one stays and training goes on

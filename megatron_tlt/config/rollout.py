@@ -17,14 +17,15 @@ class RolloutEngineConfig:
     """How each rank's vLLM engine is built (``spec/engine.py`` builds it)."""
 
     max_model_len: int | None = None
-    """Longest prompt + response, in tokens (default: the model's positions, at most 4096)."""
+    """Longest prompt + response, in tokens; null: the longest prompt + max_response_tokens, within the model's
+    positions, decided when the run starts and written into its config.yaml."""
     dtype: str = "float32"
     """Weights and activations in the engine (match the policy's for exact greedy agreement)."""
     kv_cache_gib: float | None = None
     """KV-cache size of each rank's engine on CPU, in whole GiB (VLLM_CPU_KVCACHE_SPACE: rounded, at least 1).
-    None: sized from the step's need (its sequences x (longest prompt + max_response_tokens) x the model's KV
-    bytes per token, as `tlt plan` counts them, in the engine's dtype), at most half the host memory
-    available per local rank, at least 1 GiB. A cache that holds fewer sequences than the step has is warned
+    null: sized when the run starts from the step's need (its sequences x (longest prompt + max_response_tokens) x
+    the model's KV bytes per token, as `tlt plan` counts them, in the engine's dtype), at most half the host memory
+    available per local rank, at least 1 GiB, and written into the run's config.yaml. A cache that holds fewer sequences than the step has is warned
     about at start-up with the figures (spec/kv_budget.py). On GPU the cache is what gpu_memory_utilization
     leaves; the same warning comes from the engine's reported blocks."""
     gpu_memory_utilization: float = 0.4
@@ -36,8 +37,9 @@ class RolloutEngineConfig:
     max_num_seqs: int = 256
     """Most sequences decoded together."""
     tensor_parallel_size: int | None = None
-    """Ranks that share one engine (vLLM tensor parallelism over consecutive ranks); None: the policy's
-    tensor_parallel_size. Must divide it. 1 gives every rank a whole engine of its own."""
+    """Ranks that share one engine (vLLM tensor parallelism over consecutive ranks); null: the policy's
+    tensor_parallel_size (written into the run's config.yaml). Must divide it. 1 gives every rank a whole engine
+    of its own."""
     verify_drafter: bool = True
     """Check the drafter at every hand-over (the first push, every policy sync and drafter push, every wake):
     read its tensors back from the engine's vLLM drafter and compare their checksums with the pushed ones

@@ -183,7 +183,8 @@ class WarmupConfig:
     the per-sample long tail of reasoning rollouts. Checks that would run past rollout.max_response_tokens
     are left out of that demonstration."""
     cache_dir: str | None = None
-    """Where the tokenizer and warmed-up policy are cached (None: $TLT_CACHE_DIR or ~/.cache/megatron-tlt)."""
+    """Where the tokenizer, the warmed-up policy and cold starts are cached; null: $TLT_CACHE_DIR or
+    ~/.cache/megatron-tlt, decided when the run starts and written into its config.yaml."""
     continue_optimizer: bool = True
     """RL continues the warm-up's Adam state (its second moments) instead of a fresh Adam."""
     use_shipped: bool = True

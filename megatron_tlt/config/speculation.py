@@ -24,15 +24,13 @@ class SpeculationConfig:
     bucket_bounds: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 5, 21, 32])
     """Inclusive upper batch-size bounds of the buckets (TLT's: 1, 2, 3-5, 6-21, 22-32, then 33+)."""
     depths: list[int] | None = None
-    """The arms (depths K, 0 = off); default 0..drafter.depth."""
+    """The arms (depths K, 0 = off); null: every depth 0..drafter.depth, written into the run's config.yaml."""
     epsilon: float = 0.1
     """Share of steps that explore a random depth."""
     exploration: Literal["uniform", "neighbours"] = "uniform"
     """Which depth BEG-MAB explores: ``uniform`` (TLT's: any arm) or ``neighbours`` (an arm next to the best of
-    the bucket). Where the best depths are close, as on CPU where speculation pays at every batch, a uniform
-    pick is often depth 0 or 1 at 1.4-1.9x a good step's cost per token: on equal work BEG-MAB ran 0.94x of
-    the best fixed depth exploring uniformly, 0.98x exploring neighbours, which the tiny default does
-    (bench/RESULTS.md). The goodput model always explores neighbours."""
+    the bucket): where the best depths lie close together, a uniform pick spends steps at depths far from them.
+    The goodput model always explores neighbours."""
     window: int = 300
     """Rewards kept per bucket and depth (a sliding window: the drafter changes)."""
     median_blocks: int = 5
@@ -45,12 +43,10 @@ class SpeculationConfig:
     """How the drafter proposes while the rollout samples (temperature > 0), adaptive or not:
     ``probabilistic`` draws each draft token from the drafter's distribution q and verification accepts it with
     min(1, p/q) (accepted share sum_v min(p, q)); ``greedy`` proposes q's argmax, accepted with the target's
-    probability p of it. Both are lossless, and greedy decoding proposes the argmax either way. On the tiny
-    default at temperature 1 probabilistic drafting accepted 0.86/0.69/0.45/0.30 of positions 1-4 against
-    0.78/0.62/0.41/0.23 (bench/RESULTS.md)."""
+    probability p of it. Both are lossless, and greedy decoding proposes the argmax either way."""
     max_speculative_batch: int | None = None
-    """Batches above this never speculate and get no speculative CUDA graphs (TLT uses 32 on H100s);
-    None: the bandit decides at every batch size (on CPU speculation still paid at batch 64)."""
+    """Batches above this never speculate and get no speculative CUDA graphs (TLT uses 32 on H100s); null: the
+    bandit decides at every batch size."""
 
     def __post_init__(self) -> None:
         self._check_buckets()
