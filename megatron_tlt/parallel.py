@@ -47,6 +47,14 @@ class ParallelLayout:
     rank: int = dataclasses.field(init=False, default=0)
     world_size: int = dataclasses.field(init=False, default=1)
     initialized_here: bool = dataclasses.field(init=False, default=False)
+    data_parallel_rank: int = dataclasses.field(init=False, default=0)
+    """This rank's replica of the policy."""
+    model_parallel_group: object = dataclasses.field(init=False, default=None)
+    """The tp x pp ranks that together hold this rank's replica (Megatron's group)."""
+    model_parallel_rank: int = dataclasses.field(init=False, default=0)
+    """This rank's place in ``model_parallel_group``."""
+    stage: object = dataclasses.field(init=False, default=None)
+    """Where this rank's piece of the policy sits (``mcore.StageInfo``: TP and PP rank and size)."""
 
     @property
     def data_parallel_size(self) -> int:
@@ -89,6 +97,10 @@ class ParallelLayout:
             pipeline_parallel_size=self.pipeline_parallel_size,
             seed=self.seed,
         )
+        self.data_parallel_rank = mcore.data_parallel_rank()
+        self.model_parallel_group = mcore.model_parallel_group()
+        self.model_parallel_rank = dist.get_rank(self.model_parallel_group)
+        self.stage = mcore.stage_info()
         return self
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ def train_on_rank(config: TLTConfig, run_dir: str, resume: bool) -> list[dict] |
     dist.barrier()  # under torchrun, rank 0 has prepared the run directory (commands/start.py: start_run)
     trainer = None
     try:
-        trainer = RLTrainer(config, Path(run_dir), resume=resume)
+        trainer = RLTrainer(config, Path(run_dir), layout, resume=resume)
         return trainer.run()
     finally:
         if trainer is not None:

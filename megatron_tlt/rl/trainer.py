@@ -15,11 +15,9 @@ import logging
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from megatron_tlt.config import TLTConfig
 from megatron_tlt.drafter.tlt_drafter import TLTDrafter
-from megatron_tlt.model import mcore
+from megatron_tlt.parallel import ParallelLayout
 from megatron_tlt.rl import policy_optimizer, rollout_agreement
 from megatron_tlt.rl.inputs import curriculum, policy_source
 from megatron_tlt.rl.phases.policy_pass import PolicyPass
@@ -39,8 +37,8 @@ logger = logging.getLogger(__name__)
 class RLTrainer:
     """Built collectively on every rank; ``run()`` trains to ``trainer.steps``."""
 
-    def __init__(self, config: TLTConfig, run_dir: Path, *, resume: bool):
-        self.config, self.run_dir, self.rank = config, run_dir, dist.get_rank()
+    def __init__(self, config: TLTConfig, run_dir: Path, layout: ParallelLayout, *, resume: bool):
+        self.config, self.run_dir, self.layout, self.rank = config, run_dir, layout, layout.rank
         ckpt = checkpoint_paths.latest_checkpoint(run_dir) if resume else None
         if resume and ckpt is None:
             raise checkpoint.CheckpointError(f"{run_dir}: no complete checkpoint to resume from")
@@ -58,8 +56,8 @@ class RLTrainer:
         self.sampler = curriculum.prompt_sampler(
             s.task.dataset.examples, curriculum_steps=config.data.curriculum_steps,
             curriculum_max_prompt_tokens=config.data.curriculum_max_prompt_tokens,
-            batch_prompts=config.trainer.prompts_per_step, dp_rank=mcore.data_parallel_rank(),
-            dp_size=mcore.data_parallel_size(), seed=config.trainer.seed)
+            batch_prompts=config.trainer.prompts_per_step, dp_rank=layout.data_parallel_rank,
+            dp_size=layout.data_parallel_size, seed=config.trainer.seed)
         self.start_step, state = 0, None
         if ckpt is not None:
             self.start_step, state = run_state.restore(ckpt, optimizer=self.optimizer, sampler=self.sampler,
@@ -68,7 +66,7 @@ class RLTrainer:
             if self.rank == 0:
                 logger.info("resuming %s from step %d (%s)", run_dir, self.start_step, ckpt)
         self.agreement = rollout_agreement.AgreementMonitor.from_config(config.rollout)
-        self.drafter = TLTDrafter.for_run(config, s.arch, run_dir=run_dir, rank=self.rank, world=dist.get_world_size(),
+        self.drafter = TLTDrafter.for_run(config, s.arch, run_dir=run_dir, rank=self.rank, world=layout.world_size,
                                           start_step=self.start_step, is_reporter=self.rank == 0)
         self.engine = s.open_engine(run_dir / "engines", drafter=self.drafter,
                                     speculative=self.drafter.engine_speculation())
@@ -86,14 +84,14 @@ class RLTrainer:
         c, s = self.config, self.session
         self.rollout = RolloutPhase(session=s, engine=self.engine, drafter=self.drafter, scorer=self.scorer,
                                     rollout=c.rollout, seed=c.trainer.seed)
-        self.reward = RewardPhase(scorer=self.scorer, placement=s.placement, mp_group=mcore.model_parallel_group(),
+        self.reward = RewardPhase(scorer=self.scorer, placement=s.placement, layout=self.layout,
                                   samples_per_prompt=c.rollout.samples_per_prompt, algorithm=c.algorithm)
         self.policy_pass = PolicyPass(c, model=s.model, reference=self.reference, optimizer=self.optimizer,
                                       lr_schedule=self.lr_schedule, engine=self.engine, drafter=self.drafter,
                                       vocab_size=s.arch.vocab_size, pad_id=s.tokenizer.pad_id)
         self.sync = SyncPhase(session=s, engine=self.engine, drafter=self.drafter)
-        self.report = ReportPhase(session=s, engine=self.engine, drafter=self.drafter, tokenizer=s.tokenizer,
-                                  reporter=self.reporter, log_samples=c.trainer.log_samples)
+        self.report = ReportPhase(session=s, layout=self.layout, engine=self.engine, drafter=self.drafter,
+                                  tokenizer=s.tokenizer, reporter=self.reporter, log_samples=c.trainer.log_samples)
 
     def train_step(self, step: int) -> StepOutcome:
         """One RL step (collective); the outcome's record and spans are rank 0's."""
@@ -139,7 +137,7 @@ class RLTrainer:
 
     def _save(self, step: int) -> None:
         run_state.save(self.config, self.run_dir, step, session=self.session, optimizer=self.optimizer,
-                    sampler=self.sampler, engine=self.engine, dp_rank=mcore.data_parallel_rank())
+                    sampler=self.sampler, engine=self.engine, dp_rank=self.layout.data_parallel_rank)
         self.drafter.save(step)
 
     def close(self) -> None:

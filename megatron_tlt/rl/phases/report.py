@@ -13,7 +13,7 @@ import time
 import torch.distributed as dist
 
 from megatron_tlt.drafter.neighbour_slowdown import engine_steps
-from megatron_tlt.model import mcore
+from megatron_tlt.parallel import ParallelLayout
 from megatron_tlt.rl.phases.policy_pass import PolicyPassOutcome
 from megatron_tlt.rl.phases.reward import ScoredStep
 from megatron_tlt.rl.phases.rollout import RolloutOutcome
@@ -36,11 +36,11 @@ class StepOutcome:
 
 
 class ReportPhase:
-    def __init__(self, *, session, engine, drafter, tokenizer, reporter, log_samples: int):
-        self.session, self.engine, self.drafter, self.tokenizer = session, engine, drafter, tokenizer
-        self.reporter, self.log_samples = reporter, log_samples
+    def __init__(self, *, session, layout: ParallelLayout, engine, drafter, tokenizer, reporter, log_samples: int):
+        self.session, self.layout, self.engine, self.drafter = session, layout, engine, drafter
+        self.tokenizer, self.reporter, self.log_samples = tokenizer, reporter, log_samples
         self.placement = session.placement
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = layout.rank, layout.world_size
 
     def run(self, step: int, started_at: float, rollout: RolloutOutcome, scored: ScoredStep,
             policy: PolicyPassOutcome, synced: SyncOutcome, timeline: RankTimeline) -> StepOutcome:
@@ -71,14 +71,14 @@ class ReportPhase:
             lengths=[len(s.response_ids) for s in own], truncated=[s.finish_reason == "length" for s in own],
             sampled_nll=(-sum(sum(s.rollout_logprobs) for s in own)
                          if own and own[0].rollout_logprobs is not None else None),
-            dropped_groups=scored.dropped_groups if dist.get_rank(mcore.model_parallel_group()) == 0 else 0,
+            dropped_groups=scored.dropped_groups if self.layout.model_parallel_rank == 0 else 0,
             spec=rolled.spec if rolled else None, step_depths=rolled.step_depths if rolled else [],
             bandit=self.engine.bandit_summary() if leader else None,
             tail=rollout.tail if rollout.tail is not None else policy.serial_tail,
             probe=synced.stats.probe if leader else None, alarm=(rollout.alarm or synced.stats.alarm) and leader,
             integrity=self.session.drafter_integrity_report(self.engine) if leader else None,
             # counted once per replica: the last stage's TP ranks hold the same features
-            hidden_tokens=policy.feed.rows if mcore.stage_info().tp_rank == 0 else 0,
+            hidden_tokens=policy.feed.rows if self.layout.stage.tp_rank == 0 else 0,
             reward_pool=_pool_report(own, rollout.streamed), quality=synced.quality,
             speedup_estimate=rolled.speedup_estimate if rolled else None,
             engine_steps=engine_steps(rolled.step_started_at, rolled.step_seconds, rolled.step_batch_sizes,

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tlt.config import AlgorithmConfig
+from megatron_tlt.parallel import ParallelLayout
 from megatron_tlt.rl.advantages import equal_reward_group_mask, get_advantage_fn
 from megatron_tlt.rl.phases.rollout import RolloutOutcome
 from megatron_tlt.rl.scoring import ResponseScorer, Sample
@@ -34,10 +35,10 @@ class ScoredStep:
 
 
 class RewardPhase:
-    def __init__(self, *, scorer: ResponseScorer, placement, mp_group, samples_per_prompt: int,
+    def __init__(self, *, scorer: ResponseScorer, placement, layout: ParallelLayout, samples_per_prompt: int,
                  algorithm: AlgorithmConfig):
-        self.scorer, self.placement, self.mp_group = scorer, placement, mp_group
-        self.mp_size = dist.get_world_size(mp_group)
+        self.scorer, self.placement, self.mp_group = scorer, placement, layout.model_parallel_group
+        self.mp_size = dist.get_world_size(self.mp_group)
         self.samples_per_prompt, self.algorithm = samples_per_prompt, algorithm
         self.advantage_fn = get_advantage_fn(algorithm.advantage)
 
