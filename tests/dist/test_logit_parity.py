@@ -5,7 +5,7 @@ Each layout runs as real ranks (torch elastic launch, gloo) on this machine.
 
 import pytest
 
-from megatron_tlt.parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
+from logit_parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
 

@@ -372,7 +372,7 @@ def hf_run(env, tmp_path_factory):
     RLOO keeps (advantage = reward minus the mean of the others) and GRPO would normalise to about 1.
     Returns (run directory, stderr, the reward log directory)."""
     from megatron_tlt.formats.tokenizer import load_tokenizer
-    from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, make_tiny_hf_model
+    from tiny_models import TINY_LLAMA_ROLLOUT, make_tiny_hf_model
     from megatron_tlt.rl.tiny import synthetic_task, tiny_default
 
     tmp_path = tmp_path_factory.mktemp("hf-run")
@@ -734,7 +734,7 @@ def exported_policy(env, spot_run, tmp_path_factory):
 
 
 def test_the_exported_policy_matches_the_megatron_policy_of_the_run(spot_run, exported_policy, sample_input_ids):
-    from megatron_tlt.parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
+    from logit_parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
 
     ckpt = spot_run / "checkpoints" / "step_000004" / "policy"
     assert megatron_vs_hf_max_abs_diff(ckpt, exported_policy, tp=1, pp=1, input_ids_bs=sample_input_ids) < PARITY_TOLERANCE

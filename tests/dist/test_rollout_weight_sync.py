@@ -18,7 +18,7 @@ NEW_TOKENS = 16
 
 def _sync_and_compare_on_rank(ckpt_dir: str, tp: int, pp: int, workdir: str, eagle: bool = False, engine_tp: int = 1):
     from megatron_tlt.model import policy
-    from megatron_tlt.model.tiny_models import next_token_fixture
+    from tiny_models import next_token_fixture
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl.weight_sync import sync_policy_to_engine
     from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings, SpeculativeSettings

@@ -13,7 +13,7 @@ from lossless_sampling import NUM_SAMPLES, PROMPT, SIGNIFICANCE, goodness_of_fit
 
 from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
+from tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
 K = 3
 

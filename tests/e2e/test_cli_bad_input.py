@@ -11,7 +11,7 @@ import subprocess
 import pytest
 from hang_guard import HANG_GUARD_S
 
-from megatron_tlt.model.tiny_models import TINY_LLAMA
+from tiny_models import TINY_LLAMA
 
 
 def _assert_clean_failure(result, out_dir, *fragments):

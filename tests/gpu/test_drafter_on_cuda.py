@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
+from tiny_models import TINY_LLAMA, next_token_fixture
 
 pytestmark = pytest.mark.needs("cuda")
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megatron_tlt.launcher import run_on_ranks
-from megatron_tlt.model.tiny_models import hf_logprobs_and_features
-from megatron_tlt.parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
+from tiny_models import hf_logprobs_and_features
+from logit_parity import PARITY_TOLERANCE, megatron_vs_hf_max_abs_diff
 
 pytestmark = pytest.mark.needs("cuda", "megatron")
 

@@ -24,7 +24,7 @@ PROBE_PROMPTS = [[i, i + 1] for i in range(1, 9)]
 
 def _sync_with_eagle_on_rank(ckpt_dir: str, workdir: str) -> dict:
     from megatron_tlt.model import policy
-    from megatron_tlt.model.tiny_models import next_token_fixture
+    from tiny_models import next_token_fixture
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl.weight_sync import sync_policy_to_engine
     from megatron_tlt.spec.engine import RolloutEngine, RolloutEngineConfig, SamplingSettings, SpeculativeSettings
@@ -56,7 +56,7 @@ def test_vllm_greedy_with_eagle_equals_megatron_greedy_after_a_weight_sync(rollo
 
 def _fixture_engine_on_rank(workdir: str, sampled_prompt: list[int], num_samples: int) -> dict:
     from megatron_tlt.formats.architecture import architecture_from_dict
-    from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
+    from tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.spec.drafter_integrity import checksum_mismatches, expected_checksums
     from megatron_tlt.spec.engine import (
@@ -127,7 +127,7 @@ def test_the_drafter_read_back_from_the_gpu_engine_is_the_one_pushed(fixture_eng
 
 def test_sampling_with_speculation_on_cuda_keeps_the_targets_distribution(fixture_engine, lossless_sampling):
     from megatron_tlt.formats.architecture import architecture_from_dict
-    from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
+    from tiny_models import TINY_LLAMA_ROLLOUT, next_token_fixture
 
     exact = next_token_fixture(architecture_from_dict(TINY_LLAMA_ROLLOUT))["next_probs"]
     p_values = lossless_sampling.goodness_of_fit_p_values(fixture_engine["samples"], exact)

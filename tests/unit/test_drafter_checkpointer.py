@@ -9,7 +9,7 @@ from megatron_tlt.drafter import checkpoint_paths, checkpointer, store
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.formats.architecture import architecture_from_dict
 from megatron_tlt.formats.hf_io import CheckpointError
-from megatron_tlt.model.tiny_models import TINY_LLAMA, TINY_QWEN2
+from tiny_models import TINY_LLAMA, TINY_QWEN2
 from megatron_tlt.spec.eagle import DrafterMismatch, expected_drafter_shapes
 
 LLAMA = architecture_from_dict(TINY_LLAMA)

@@ -7,7 +7,7 @@ from megatron_tlt.drafter.loss import drafter_loss
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.packing import eagle_examples, pack_sequences
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
+from tiny_models import TINY_LLAMA, next_token_fixture
 
 LLAMA = architecture_from_dict(TINY_LLAMA)
 

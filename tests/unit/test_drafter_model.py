@@ -3,7 +3,7 @@ import torch
 
 from megatron_tlt.drafter.model import EagleDrafter, draft_step_masks, index_in_segment
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA, TINY_QWEN2, next_token_fixture
+from tiny_models import TINY_LLAMA, TINY_QWEN2, next_token_fixture
 from megatron_tlt.spec.eagle import DrafterMismatch, eagle_drafter_config, expected_drafter_shapes, validate_drafter
 
 LLAMA = architecture_from_dict(TINY_LLAMA)

@@ -4,7 +4,7 @@ import torch
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.packing import eagle_examples, pack_sequences
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA
+from tiny_models import TINY_LLAMA
 
 LLAMA = architecture_from_dict(TINY_LLAMA)
 H = LLAMA.hidden_size

@@ -21,7 +21,7 @@ from megatron_tlt.drafter.precision import (
     start_up_line,
 )
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
+from tiny_models import TINY_LLAMA, next_token_fixture
 
 LLAMA = architecture_from_dict(TINY_LLAMA)
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU-only machine resolves to")

@@ -9,7 +9,7 @@ import torch
 from megatron_tlt.config import DrafterConfig
 from megatron_tlt.drafter.trainer import DrafterTrainer
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA
+from tiny_models import TINY_LLAMA
 
 LLAMA = architecture_from_dict(TINY_LLAMA)
 UNROLL_STEPS = 3

@@ -8,7 +8,7 @@ import torch
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.quality import AcceptanceTally, acceptance_probability, measure
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
+from tiny_models import TINY_LLAMA, next_token_fixture
 
 ARCH = architecture_from_dict(TINY_LLAMA)
 

@@ -8,7 +8,7 @@ from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.quality import AcceptanceTally
 from megatron_tlt.drafter.serving import MeasureSettings, ServingDrafter, candidate_wins, quality_fields
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA, next_token_fixture
+from tiny_models import TINY_LLAMA, next_token_fixture
 
 ARCH = architecture_from_dict(TINY_LLAMA)
 SETTINGS = MeasureSettings(depth=3, temperature=1.0, greedy_draft=False, pack_tokens=1024, gate=True)

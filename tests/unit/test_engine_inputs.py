@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA, TINY_LLAMA_ROLLOUT, next_token_fixture
+from tiny_models import TINY_LLAMA, TINY_LLAMA_ROLLOUT, next_token_fixture
 from megatron_tlt.spec.eagle import DrafterMismatch, validate_drafter
 from megatron_tlt.spec.engine import (
     EngineError,

@@ -3,7 +3,7 @@ import logging
 import pytest
 
 from megatron_tlt.formats.architecture import ModelConfigError, architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA, TINY_QWEN2
+from tiny_models import TINY_LLAMA, TINY_QWEN2
 
 
 def test_llama_config_is_read_with_gqa_and_llama3_rope_scaling():

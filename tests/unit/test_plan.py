@@ -348,7 +348,7 @@ def test_options_move_the_estimate_the_right_way(llama70b):
 
 
 def test_tiny_model_fits_trivially(capsys, tmp_path):
-    from megatron_tlt.model.tiny_models import TINY_LLAMA
+    from tiny_models import TINY_LLAMA
 
     arch = architecture_from_dict(TINY_LLAMA)
     chosen, _ = P.search_layouts(arch, nodes=1, gpus_per_node=2, options=P.PlanOptions(seq_len=256))

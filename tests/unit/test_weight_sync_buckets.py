@@ -2,7 +2,7 @@ import math
 
 from megatron_tlt.formats import weights
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA_ROLLOUT, TINY_QWEN2
+from tiny_models import TINY_LLAMA_ROLLOUT, TINY_QWEN2
 from megatron_tlt.rl.weight_sync import _plan_buckets
 
 

@@ -4,7 +4,7 @@ from safetensors.torch import load_file
 
 from megatron_tlt.formats import weights
 from megatron_tlt.formats.architecture import architecture_from_dict
-from megatron_tlt.model.tiny_models import TINY_LLAMA, TINY_QWEN2
+from tiny_models import TINY_LLAMA, TINY_QWEN2
 
 
 def test_fused_qkv_groups_each_kv_head_with_its_query_heads():

@@ -1,6 +1,7 @@
 """Tiny random HF models made on the spot with transformers: nothing is downloaded.
 
-Used by the test suite (parity, conversion, rollout and trainer tests).
+Used by the test suite (parity, conversion, rollout and trainer tests): importable as ``tiny_models`` (pytest puts
+tests/ on the path; bench/drafter_precision.py adds it).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Logit parity between a Megatron checkpoint and the HF model it came from.
 
-The test suite runs it at TP=1, TP=2 and PP=2. The HF logits come from transformers on the same rank, in fp32.
-It runs the policy (``model/``) on the ranks of a ``ParallelLayout`` (``parallel.py``, which builds on ``model/``):
-so it sits here, beside ``parallel.py``, above both.
+The test suite runs it at TP=1, TP=2 and PP=2 (``dist/test_logit_parity.py``, and the GPU tests). The HF logits come
+from transformers on the same rank, in fp32. A test helper, not part of the package: importable as ``logit_parity``
+(pytest puts tests/ on the path).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class ParityResult:
 
 def _parity_on_rank(ckpt_dir: str, hf_dir: str, tp: int, pp: int, input_ids_bs: torch.Tensor) -> float | None:
     from megatron_tlt.model import policy
-    from megatron_tlt.model.tiny_models import hf_logits
+    from tiny_models import hf_logits
     from megatron_tlt.parallel import ParallelLayout
 
     with ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp):
