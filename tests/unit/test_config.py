@@ -211,7 +211,7 @@ def test_help_config_prints_every_key_with_its_type_default_and_docstring(capsys
     assert "  rollout.temperature (float; `tlt train`: 1.0)" in out
     assert "  drafter.depth (int; `tlt train`: 8; field default 0)" in out
     assert "  speculation.depths (list[int] | None; `tlt train`: null)" in out
-    assert "The arms (depths K, 0 = off); default 0..drafter.depth." in out
+    assert "The arms (depths K, 0 = off); null: every depth 0..drafter.depth, written into the run's" in out
     assert "  drafter.schedule (Literal['idle', 'serial']; `tlt train`: idle)" in out
     assert "GRPO group size n." in out and "\nspeculation: BEG-MAB" in out
 
