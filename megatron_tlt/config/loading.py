@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import re
 from pathlib import Path
@@ -19,16 +18,16 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "launch" / "configs"
 
 
 def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
+    """The dotted leaf keys of a config tree: the whole schema, one YAML file or the overrides."""
     keys = []
-    for field in dataclasses.fields(node):
-        value = getattr(node, field.name)
-        name = f"{prefix}{field.name}"
-        keys.extend(_dotted_keys(value, name + ".") if dataclasses.is_dataclass(value) else [name])
+    for name in node.keys():
+        child = node._get_node(name)
+        keys.extend(_dotted_keys(child, f"{prefix}{name}.") if OmegaConf.is_dict(child) else [f"{prefix}{name}"])
     return keys
 
 
 def valid_keys() -> list[str]:
-    return _dotted_keys(TLTConfig())
+    return _dotted_keys(OmegaConf.structured(TLTConfig))
 
 
 def _unknown_key_error(err: ConfigKeyError, source: str) -> ConfigError:
@@ -41,19 +40,8 @@ def _unknown_key_error(err: ConfigKeyError, source: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}' in {source}{hint}")
 
 
-def _layer_keys(node: Any, prefix: str = "") -> list[str]:
-    """The dotted keys one YAML file or the overrides set."""
-    if not OmegaConf.is_dict(node):
-        return [prefix[:-1]] if prefix else []
-    keys = []
-    for name in node.keys():
-        child = node._get_node(name)
-        keys.extend(_layer_keys(child, f"{prefix}{name}.") if OmegaConf.is_dict(child) else [f"{prefix}{name}"])
-    return keys
-
-
 def _refuse_removed_keys(layer: Any, source: str) -> None:
-    for key in _layer_keys(layer):
+    for key in _dotted_keys(layer):
         if key in REMOVED_KEYS:
             raise ConfigError(f"config key '{key}' in {source} was removed: {REMOVED_KEYS[key]}")
 
