@@ -50,11 +50,12 @@ class ReportPhase:
         dist.gather_object(report, gathered, dst=0)
         record, spans, cost = None, None, None
         if self.rank == 0:
+            slowdowns = node_slowdowns(gathered, self.session.ranks_per_node)
             record = step_record(step, gathered, policy.metrics, synced.stats.gb_per_s, time.time() - started_at,
-                                 ranks_per_node=self.session.ranks_per_node)
+                                 ranks_per_node=self.session.ranks_per_node, slowdowns=slowdowns)
             record.update(policy.agreement)
             spans = [span for r in gathered for span in r.timeline.to_records(step)]
-            cost = worst_node(node_slowdowns(gathered, self.session.ranks_per_node))
+            cost = worst_node(slowdowns)
             if self.log_samples:
                 decode = lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
                 self.reporter.log_samples(step, samples_log.sample_records(step, scored.own, decode, self.log_samples))

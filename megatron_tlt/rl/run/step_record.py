@@ -75,9 +75,11 @@ class RankStepReport:
 
 
 def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb_s: float,
-                step_seconds: float, ranks_per_node: int | None = None) -> dict:
+                step_seconds: float, ranks_per_node: int | None = None,
+                slowdowns: list[NeighbourSlowdown] | None = None) -> dict:
     """``per_rank[r]`` is rank r's report; ``ranks_per_node`` (default: all on one node) says which ranks share a
-    machine, for the spot trainer's cost to the generating ranks."""
+    machine, for the spot trainer's cost to the generating ranks; ``slowdowns``: that cost per node where the
+    caller has it already (``node_slowdowns``), else made here."""
     rewards = [r for p in per_rank for r in p.rewards]
     lengths = [n for p in per_rank for n in p.lengths]
     timelines = [p.timeline for p in per_rank]
@@ -117,7 +119,9 @@ def step_record(step: int, per_rank: list[RankStepReport], update: dict, sync_gb
     record.update(_reward_pool_fields(per_rank))
     record.update(summary_fields([p.tail for p in per_rank], timelines))
     record.update(_quality_fields(per_rank))
-    record.update(_neighbour_fields(per_rank, ranks_per_node or len(per_rank)))
+    if slowdowns is None:
+        slowdowns = node_slowdowns(per_rank, ranks_per_node or len(per_rank))
+    record.update(_neighbour_fields(slowdowns))
     return record
 
 
@@ -141,9 +145,8 @@ def worst_node(estimates: list[NeighbourSlowdown]) -> NeighbourSlowdown | None:
     return max(measured, key=lambda e: e.rollout_cost) if measured else None
 
 
-def _neighbour_fields(per_rank: list[RankStepReport], ranks_per_node: int) -> dict:
+def _neighbour_fields(estimates: list[NeighbourSlowdown]) -> dict:
     """The worst node's figures; none where no rank trained in the rollout."""
-    estimates = node_slowdowns(per_rank, ranks_per_node)
     if not estimates:
         return {}
     worst = worst_node(estimates)
