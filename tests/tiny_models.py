@@ -204,3 +204,81 @@ def next_token_fixture(arch, *, seed: int = 0, logit_scale: float = 1.5) -> dict
     normed = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + arch.rms_norm_eps)
     next_probs = torch.softmax(normed @ lm_head.double().T, dim=-1)
     return {"target": target, "good_drafter": good, "bad_drafter": bad, "next_probs": next_probs}
+
+
+# The previous-token fixture's architecture: plain RoPE (no llama3 scaling), whose rotation frequencies the
+# fixture's position-only attention is built from.
+PREVIOUS_TOKEN_ROLLOUT = dict(TINY_LLAMA_ROLLOUT, rope_theta=10000.0, rope_scaling=None)
+
+
+def previous_token_fixture(arch, *, seed: int = 0, constant: float = 4.0, score_gap: float = 30.0) -> dict:
+    """A target whose next token depends on the current and the previous token, and a drafter for it that is
+    right only while its own KV cache holds the previous positions.
+
+    Every token embedding has the same first coordinate (``constant``) and an RMS of exactly 1, so the final
+    norm and the drafter's missing input norm change nothing. In the target's first layer, attention head 0
+    reads only that coordinate for its query and key: a constant query and key whose RoPE phases put every
+    score at least ``score_gap`` below the score of the position just before the query, so the head attends to
+    the previous token alone, and its value and output projections add a map of that token's embedding to the
+    residual. Every other projection that writes the residual is zero, so p(next) = softmax(lm_head(e_cur +
+    P e_prev)) up to a positive scale. The drafter's layer is that first layer with ``fc = [I, 0]``: vLLM's
+    EAGLE places the token at position j + 1 in the drafter's slot j, so the drafter's slot just before its
+    query holds the same previous token the target attends to, and the drafter predicts exactly what the
+    target will sample greedily, every draft step, as long as that slot was written. A slot never written (a
+    drafter that skipped its forward while not drafting) puts another value there, and the draft goes wrong.
+    Prompts need two tokens or more (the drafter never sees the first one).
+    Returns HF-named target tensors and the drafter (vLLM drafter names).
+    """
+    if arch.rope_scaling is not None:
+        raise ValueError("previous_token_fixture builds on plain RoPE: use PREVIOUS_TOKEN_ROLLOUT")
+    g = torch.Generator().manual_seed(seed)
+    h, hd, inter, vocab = arch.hidden_size, arch.head_dim, arch.intermediate_size, arch.vocab_size
+    q_rows, kv_rows = arch.num_attention_heads * hd, arch.num_kv_heads * hd
+
+    embed = torch.randn(vocab, h, generator=g)
+    embed[:, 1:] *= ((h - constant**2) / embed[:, 1:].pow(2).sum(-1, keepdim=True)).sqrt()
+    embed[:, 0] = constant
+
+    # Head 0's query and key, pair i of RoPE (neox layout: dims i and i + hd/2) rotating at theta_i per
+    # position: q_i = sqrt(a_i), k_i = sqrt(a_i) e^{j theta_i}, so q.k at distance d is sum_i a_i cos(theta_i
+    # (d - 1)), largest at d = 1. Weights 0.7^i keep every other distance under 256 at least 0.18 sum(a) below.
+    half = hd // 2
+    theta = arch.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / hd)
+    weights = 0.7 ** torch.arange(half, dtype=torch.float64)
+    weights *= score_gap * hd**0.5 / 0.18 / weights.sum()
+    q_head = torch.cat([weights.sqrt(), torch.zeros(half, dtype=torch.float64)])
+    k_head = torch.cat([weights.sqrt() * theta.cos(), weights.sqrt() * theta.sin()])
+    q = torch.zeros(q_rows, h)
+    k = torch.zeros(kv_rows, h)
+    q[:hd, 0] = (q_head / constant).float()
+    k[:hd, 0] = (k_head / constant).float()
+    v = torch.zeros(kv_rows, h)
+    v[:hd, 1:] = torch.randn(hd, h - 1, generator=g) / h**0.5
+    o = torch.zeros(h, q_rows)
+    o[1:, :hd] = torch.randn(h - 1, hd, generator=g) * 1.5 / hd**0.5
+
+    def layer(prefix: str, input_norm: bool, attention: bool) -> dict:
+        t = {
+            prefix + "post_attention_layernorm.weight": torch.ones(h),
+            prefix + "self_attn.q_proj.weight": q if attention else torch.zeros(q_rows, h),
+            prefix + "self_attn.k_proj.weight": k if attention else torch.zeros(kv_rows, h),
+            prefix + "self_attn.v_proj.weight": v if attention else torch.zeros(kv_rows, h),
+            prefix + "self_attn.o_proj.weight": o if attention else torch.zeros(h, q_rows),
+            prefix + "mlp.gate_proj.weight": torch.randn(inter, h, generator=g) * 0.05,
+            prefix + "mlp.up_proj.weight": torch.randn(inter, h, generator=g) * 0.05,
+            prefix + "mlp.down_proj.weight": torch.zeros(h, inter),
+        }
+        if input_norm:
+            t[prefix + "input_layernorm.weight"] = torch.ones(h)
+        if arch.qkv_bias:
+            for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                t[f"{prefix}self_attn.{proj}_proj.bias"] = torch.zeros(rows)
+        return t
+
+    lm_head = torch.randn(vocab, h, generator=g) * 12 / h**0.5
+    target = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(h), "lm_head.weight": lm_head}
+    for i in range(arch.num_layers):
+        target.update(layer(f"model.layers.{i}.", input_norm=True, attention=i == 0))
+    eye, zero = torch.eye(h), torch.zeros(h, h)
+    drafter = {"fc.weight": torch.cat([eye, zero], dim=1), **layer("layers.0.", input_norm=False, attention=True)}
+    return {"target": target, "drafter": drafter}
