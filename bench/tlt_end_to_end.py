@@ -1,4 +1,4 @@
-"""End to end: the tiny default with TLT fully on (spot trainer + adaptive speculation) vs TLT off, and
+"""End to end: a config (the tiny default, or your own model under `hf`) with TLT fully on (spot trainer + adaptive speculation) vs TLT off, and
 beside them the peers' ways of keeping a drafter, with the same speculation:
   * frozen ("pre-RL only"): the drafter of the cold start, never updated (the skeptic's baseline);
   * serial (co-training as NeMo-RL and vime schedule it): after each update the drafter trains on the same
@@ -17,6 +17,13 @@ beside them the peers' ways of keeping a drafter, with the same speculation:
     python bench/tlt_end_to_end.py --no-off --no-serial --steps 30 --curriculum 10:15   # 5c: a curriculum's switch
     python bench/tlt_end_to_end.py --no-off --no-serial ...          # the drafters only (ratios against 'on')
     python bench/tlt_end_to_end.py --reprint DIR                      # a kept bench's figures again (--keep DIR)
+
+On a pretrained model (``--model-dir`` picks ``launch/configs/hf.yaml``, as ``tlt train model.hf_dir=`` does; the
+real-model bench makes SmolLM2-135M-Instruct's directory and word problems: ``bench/real_model.py``):
+
+    python bench/tlt_end_to_end.py --model-dir /tmp/real_model/hf --prompts /tmp/r57/train.jsonl --steps 20 \
+        --repeats 2 -- data.reward=exact_match rollout.max_response_tokens=384 trainer.prompts_per_step=8 \
+        rollout.samples_per_prompt=4
 
 Weak start (``--start random``): TLT on and the frozen arm start from a randomly initialised drafter (the
 seeded initialisation a run without a cold start has), and one more arm, ``cold``, runs the in-domain cold start
@@ -64,15 +71,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-CONFIG = "tiny"  # tlt train's default; the cold-start drafter is made under the same config
+CONFIG = None  # the config every run and the cold start use: --config, else tiny (hf with --model-dir)
 BENCH_FILE = "bench.json"  # under --keep's directory: what --reprint reads beside the runs
 PHASES = ("rollout_seconds", "logprob_seconds", "update_seconds", "sync_seconds", "step_seconds")
+# Rollout shares of a step reported for GPU RL runs (TLT's paper: up to 85%); the step ratio a measured rollout
+# ratio gives there is printed beside the measured one, labelled a projection.
+GPU_ROLLOUT_SHARES = (0.70, 0.85)
 
 
 def _run(run_dir: Path, overrides: list[str]) -> list[dict]:
     output = run_dir.with_name(run_dir.name + ".out")  # what tlt train printed: kept, as a failure's only trace
     with open(output, "w") as out:
-        done = subprocess.run([sys.executable, "-m", "megatron_tlt.cli", "train", "--config", CONFIG,
+        done = subprocess.run([sys.executable, "-m", "megatron_tlt.cli", "train", "--config", str(CONFIG),
                                f"trainer.run_dir={run_dir}", *overrides], stdout=out, stderr=subprocess.STDOUT)
     if done.returncode:
         raise SystemExit(f"tlt train exited {done.returncode} ({output}):\n" + output.read_text()[-3000:])
@@ -104,6 +114,11 @@ def _window_mean(records: list[dict], key: str, start: int, end: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--config", default=None,
+                        help="config name under launch/configs or a YAML path (default: tiny; hf with --model-dir)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="a pretrained model's HF directory (model.hf_dir) for every arm and the cold start")
+    parser.add_argument("--prompts", type=Path, default=None, help="the prompt file (data.path) of every arm")
     parser.add_argument("--depth", type=int, default=None,
                         help="deepest speculation the depth policy may choose (default: the config's "
                              "drafter.depth)")
@@ -147,6 +162,18 @@ def main() -> None:
         return _reprint(args.reprint)
     if args.repeats < 1 or args.steps < 2:
         parser.error("--repeats must be >= 1 and --steps >= 2 (step 1 is left out of the times)")
+    for flag, path in (("--model-dir", args.model_dir), ("--prompts", args.prompts)):
+        if path is not None and not path.exists():
+            parser.error(f"{flag} {path}: no such file or directory")
+    if args.model_dir is not None:
+        args.overrides = [f"model.hf_dir={args.model_dir.resolve()}", *args.overrides]
+    if args.prompts is not None:
+        args.overrides = [f"data.path={args.prompts.resolve()}", *args.overrides]
+    global CONFIG
+    from megatron_tlt.config.loading import config_name_for
+
+    CONFIG, _ = config_name_for(args.config, args.overrides)
+    print(f"config {CONFIG}; every arm: {' '.join(args.overrides) or 'no overrides'}", flush=True)
     variants = {name: extra for name, *extra in args.variant}
     if len(variants) != len(args.variant) or {"off", "on", "frozen", "serial", "cold"} & set(variants):
         parser.error("--variant names must be distinct and none of off, on, frozen, serial, cold")
@@ -246,12 +273,18 @@ def _print_all(runs: dict[str, list[list[dict]]], variants: list[str], cold_star
     for name in variants:
         _print_variant(runs, name)
     _print_arms(runs, half)
+    _print_where_the_time_went(runs)
     _print_quality(runs)
     if "cold" in runs:
         _print_weak_start(runs, cold_start_seconds, start_seconds, start)
     if "off" in runs:
         total = _seconds(runs, "off", "step_seconds") / _seconds(runs, "on", "step_seconds")
         print(f"end-to-end step time, TLT off / on over steps 2-{steps}: {total:.3f}x")
+        rollout = _seconds(runs, "off", "rollout_seconds") / _seconds(runs, "on", "rollout_seconds")
+        for share in GPU_ROLLOUT_SHARES:  # the other phases held as they are: Amdahl on the rollout's ratio
+            print(f"  projection, not a measurement: at a rollout share of {share:.0%} of a TLT-off step (a GPU "
+                  f"run's), this rollout ratio {rollout:.3f}x gives a step ratio of "
+                  f"{1 / ((1 - share) + share / rollout):.3f}x")
 
 
 def _print_against_off(runs: dict[str, list[list[dict]]], repeats: int, steps: int, half: int) -> None:
@@ -383,6 +416,43 @@ def _print_arms(runs: dict[str, list[list[dict]]], half: int) -> None:
         end = min(start + chunk, steps)
         print(f"  {start + 1:3d}-{end:<3d} " + "  ".join(
             f"{statistics.fmean(_acceptance(records, start, end) for records in runs[arm]):6.2f}" for arm in speculating))
+
+
+def _print_where_the_time_went(runs: dict[str, list[list[dict]]]) -> None:
+    """Per arm, over steps 2.. of every repeat: each phase's share of the step, the responses cut at the length
+    cap, the rollout's idle share and what the spot trainer did in it, acceptance per draft position, and how
+    often each depth ran with the depth policy's best depth per batch-size bucket at the last step."""
+    def mean(records: list[dict], key: str) -> float:
+        values = [r[key] for r in records if r.get(key) is not None]
+        return statistics.fmean(values) if values else float("nan")
+
+    print("  where the time went, steps 2.. of every repeat (phase shares of the step; cap: responses at the length "
+          "cap; idle: the rollout's idle share)")
+    for arm, repeats in runs.items():
+        records = [r for rs in repeats for r in rs[1:]]
+        step = sum(r["step_seconds"] for r in records)
+        shares = ", ".join(f"{key.removesuffix('_seconds')} {sum(r.get(key, 0.0) for r in records) / step:.0%}"
+                           for key in ("rollout_seconds", "reward_seconds", *PHASES[1:-1]))
+        line = (f"  {arm:8s} {shares}; cap {mean(records, 'truncated_share'):.1%}; "
+                f"idle {mean(records, 'rollout_idle_share_mean'):.1%}")
+        trained = [sum(r.get("drafter/tokens_trained", [])) for r in records]
+        if any(trained):  # per rank: seconds the spot trainer ran inside the rollout, rows it trained
+            seconds = statistics.fmean(statistics.fmean(r.get("rollout_training_seconds") or [0.0]) for r in records)
+            line += f"; spot training {seconds:.1f} s a rank and {statistics.fmean(trained):.0f} rows a step"
+        print(line)
+        positions = [r["spec/acceptance_per_position"] for r in records if r.get("spec/acceptance_per_position")]
+        if positions:
+            per_position = [statistics.fmean(p[i] for p in positions if len(p) > i)
+                            for i in range(max(map(len, positions)))]
+            depths: dict[str, int] = {}
+            for r in records:
+                for depth, count in (r.get("spec/engine_steps_by_depth") or {}).items():
+                    depths[depth] = depths.get(depth, 0) + count
+            best = next((r["spec/best_depth_by_bucket"] for r in reversed(records) if r.get("spec/best_depth_by_bucket")),
+                        None)
+            print(f"  {'':8s} acceptance per position " + " ".join(f"{p:.3f}" for p in per_position)
+                  + f"; engine steps by depth {dict(sorted(depths.items(), key=lambda kv: int(kv[0])))}"
+                  + (f"; best depth by batch bucket at the last step {best}" if best else ""))
 
 
 def _time_a_cold_start(overrides: list[str]) -> float:

@@ -79,11 +79,14 @@ def test_the_rollouts_speedup_estimate_is_the_slowest_engines_depth0_time_over_t
 
 
 def test_acceptance_pools_every_engines_drafts_not_their_rates():
-    busy = SpecDecodeStats(num_drafts=30, num_draft_tokens=120, num_accepted_tokens=90)  # length 4.0, rate 0.75
-    idle = SpecDecodeStats(num_drafts=10, num_draft_tokens=40, num_accepted_tokens=10)  # length 2.0, rate 0.25
+    busy = SpecDecodeStats(num_drafts=30, num_draft_tokens=120, num_accepted_tokens=90,  # length 4.0, rate 0.75
+                           accepted_per_position=(30, 30, 20, 10))
+    idle = SpecDecodeStats(num_drafts=10, num_draft_tokens=40, num_accepted_tokens=10,  # length 2.0, rate 0.25
+                           accepted_per_position=(6, 4))
     record = _record(_report(0, spec=busy), _report(1, spec=idle))
     assert record["spec/mean_acceptance_length"] == 1 + 100 / 40  # not the mean of 4.0 and 2.0
     assert record["spec/acceptance_rate"] == 100 / 160
+    assert record["spec/acceptance_per_position"] == [36 / 40, 34 / 40, 20 / 40, 10 / 40]  # pooled drafts too
     assert "spec/mean_acceptance_length" not in _record(_report(0, spec=SpecDecodeStats()))  # speculation off
 
 

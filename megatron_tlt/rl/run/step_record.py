@@ -170,6 +170,8 @@ def _speculation_fields(per_rank: list[RankStepReport]) -> dict:
     if total.num_drafts == 0:
         return {}
     record = {"spec/mean_acceptance_length": total.mean_acceptance_length, "spec/acceptance_rate": total.acceptance_rate}
+    if total.accepted_per_position:  # vLLM's per-position rate: drafts accepted through position i / drafts
+        record["spec/acceptance_per_position"] = [n / total.num_drafts for n in total.accepted_per_position]
     depths = [d for p in per_rank for d in p.step_depths]
     if depths:  # BEG-MAB: how often each depth ran, and each engine's best depth per batch-size bucket
         engines = [p for p in per_rank if p.bandit is not None]  # their leaders' reports
