@@ -482,7 +482,7 @@ def _make_a_cold_start(overrides: list[str], out_dir: Path, label: str, **budget
     figures = start_drafter_warmup(CONFIG, overrides, policy=None, out_dir=str(out_dir))
     seconds = time.perf_counter() - started
     print(f"  {label} took {seconds:.1f} s; held-out top-1 agreement {figures['held_out_top1_agreement_after']:.3f}, "
-          f"acceptance length {figures['mean_acceptance_length_after']:.2f} at its measuring depth", flush=True)
+          f"acceptance length {figures['held_out_acceptance_length_after']:.2f} at its measuring depth (teacher-forced)", flush=True)
     return str(out_dir), seconds
 
 

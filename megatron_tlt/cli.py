@@ -75,8 +75,8 @@ def _cmd_warmup_drafter(args: argparse.Namespace) -> int:
           f"responses of the policy, {figures['epochs']} epochs")
     print(f"held-out ({figures['eval_prompts']} prompts) before -> after: top-1 agreement "
           f"{figures['held_out_top1_agreement_before']:.3f} -> {figures['held_out_top1_agreement_after']:.3f}, "
-          f"mean acceptance length at depth {figures['eval_depth']} "
-          f"{figures['mean_acceptance_length_before']:.3f} -> {figures['mean_acceptance_length_after']:.3f}")
+          f"acceptance length at depth {figures['eval_depth']} (teacher-forced) "
+          f"{figures['held_out_acceptance_length_before']:.3f} -> {figures['held_out_acceptance_length_after']:.3f}")
     print(f"wrote the drafter to {args.out} (start a run from it with drafter.init_dir={args.out})")
     return 0
 

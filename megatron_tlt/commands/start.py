@@ -161,10 +161,10 @@ def _bench_rollout_on_rank(config, policy_dir, drafter_dir: str, settings):
     return bench_on_rank(config, policy_dir, drafter_dir, settings)
 
 
-COLD_START_KEY_VERSION = 3
+COLD_START_KEY_VERSION = 4
 """Part of every cold start's cache key: bump it when what a cold start makes changes without its settings changing
 (then ``python -m checkpoints_tools.ship_tiny_default`` re-keys the shipped one). 3: drafter.cold_start a section,
-hashed whole."""
+hashed whole; 4: the policy answers without drafts and the held-out acceptance is teacher-forced."""
 COLD_START_TRAINING_FIELDS = ("pack_tokens", "hidden_weight", "ce_weight", "tv_weight", "unroll_steps", "precision",
                               "init_dir")
 """The drafter's settings its cold-start training reads (its rate and budget are drafter.cold_start's own)."""
@@ -245,8 +245,9 @@ def obtain_cold_start(config_name: str | None, overrides: list[str], *, make: bo
     seconds = time.perf_counter() - started
     print(f"cold start: done in {seconds / 60:.1f} min; held-out top-1 agreement with the policy "
           f"{figures['held_out_top1_agreement_before']:.3f} -> {figures['held_out_top1_agreement_after']:.3f}, "
-          f"acceptance length at depth {figures['eval_depth']} {figures['mean_acceptance_length_before']:.2f} -> "
-          f"{figures['mean_acceptance_length_after']:.2f}", flush=True)
+          f"acceptance length at depth {figures['eval_depth']} (teacher-forced) "
+          f"{figures['held_out_acceptance_length_before']:.2f} -> {figures['held_out_acceptance_length_after']:.2f}",
+          flush=True)
     return ColdStart(directory, "made", seconds, figures)
 
 

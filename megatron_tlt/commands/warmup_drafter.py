@@ -6,8 +6,12 @@ On every rank, the same way the RL loop feeds its drafter:
      engine (self-distillation: the drafter learns the policy's own continuations, as it will see them);
   2. the log-prob pass captures the policy's features of those sequences;
   3. the drafter trains on them for a number of epochs, replicas averaged after each (token-weighted);
-  4. held-out prompts measure it before and after: top-1 agreement with the policy, and the mean
-     acceptance length of the engine speculating with it.
+  4. held-out prompts measure it before and after: top-1 agreement with the policy, and the expected
+     acceptance length at ``eval_depth``, teacher-forced on the held-out responses (``drafter/quality.py``,
+     the measure the online push gate uses).
+The engine does not speculate here: with the drafter still untrained, drafts would cost verification and win
+nothing (a 135M policy answered 2-3x slower at depth 4 than without drafts on 2 cores, 2026-12-02), and the
+teacher-forced measure needs none. The run's first step measures the engine's acceptance with the result.
 Rank 0 writes the drafter as an EAGLE directory (``drafter/store.py``) that ``drafter.init_dir`` starts
 an RL run from and vLLM serves. On the console (``rank_logs.console``, the RL steps' too) rank 0 shows a bar per
 generation, advanced as its engine finishes prompts, and one for the training's micro-steps.
@@ -27,6 +31,7 @@ from tqdm import tqdm
 
 from megatron_tlt.config import ColdStartConfig, TLTConfig
 from megatron_tlt.drafter import store
+from megatron_tlt.drafter.quality import AcceptanceTally, measure
 from megatron_tlt.drafter.precision import resolve_precision
 from megatron_tlt.drafter.trainer import DrafterTrainer
 from megatron_tlt.formats.hf_io import atomic_output_dir
@@ -38,8 +43,6 @@ from megatron_tlt.rl.inputs import curriculum
 from megatron_tlt.rl.inputs.data import PromptExample
 from megatron_tlt.rl.inputs.task import Task
 from megatron_tlt.rl.rank_session import RankSession
-from megatron_tlt.spec.engine import SpeculativeSettings
-from megatron_tlt.spec.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -94,18 +97,15 @@ class _Session:
                                       precision=resolve_precision(d.precision), buffer_tokens=1 << 62)
         if d.init_dir is not None:
             self.trainer.drafter.load_tensors(store.read_drafter_tensors(d.init_dir, self.task.arch))
-        speculative = SpeculativeSettings(num_speculative_tokens=settings.eval_depth,
-                                          draft_sampling=config.speculation.draft_sampling)
-        self.engine = self.ranks.open_engine(workdir, speculative=speculative, drafter=self.trainer)
+        self.engine = self.ranks.open_engine(workdir)  # no drafts: see the module's docstring
         self.ranks.sync(self.engine, self.trainer)
 
     def generate_with_features(self, prompts: list[PromptExample], seed: int, what: str):
         """This DP rank's share of ``prompts`` answered by the policy (shared out over its model-parallel
-        group's engines), the sequences' features, and the speculation counts (summed over all engines).
-        Rank 0's bar, named by ``what``, counts its own engine's responses as they finish."""
+        group's engines), the sequences, their features and their prompts' lengths. Rank 0's bar, named by
+        ``what``, counts its own engine's responses as they finish."""
         mine = prompts[self.dp_rank :: self.dp_size]
         own = self.placement.replica_share(mine)
-        spec = SpecDecodeStats()
         sequences = []
         if own:
             share = f" (rank 0's share of {len(prompts)})" if len(own) < len(prompts) else ""
@@ -114,11 +114,12 @@ class _Session:
                 n=1, temperature=self.config.rollout.temperature, seed=seed + self.placement.leader_rank),
                 on_finished=lambda _, responses: bar.update(len(responses)))
             bar.close()
-            spec = result.spec if self.placement.is_leader else SpecDecodeStats()
-            sequences = [list(e.prompt_ids) + responses[0] for e, responses in zip(own, result.token_ids)]
+            sequences = [(list(e.prompt_ids) + responses[0], len(e.prompt_ids))
+                         for e, responses in zip(own, result.token_ids)]
         gathered = [None] * self.mp_size
         dist.all_gather_object(gathered, sequences, group=self.mp_group)
-        sequences = [s for part in self.placement.leaders_only(gathered) for s in part]
+        answered = [pair for part in self.placement.leaders_only(gathered) for pair in part]
+        sequences, prompt_lengths = [seq for seq, _ in answered], [length for _, length in answered]
         result = compute_logprobs(self.model, sequences, vocab_size=self.task.arch.vocab_size,
                                   micro_batch_size=self.config.trainer.micro_batch_size,
                                   micro_batch_tokens=self.config.trainer.micro_batch_tokens,
@@ -126,22 +127,31 @@ class _Session:
                                   max_feature_rows=self.trainer.buffer_tokens)
         # with PP > 1 the last stage shares the features, so every stage's ranks train the drafter
         sequences, features = features_on_every_stage(self.model, sequences, result)
-        # the counters below stay on the CPU on purpose: reduced over gloo, not NCCL
-        counts = torch.tensor([spec.num_drafts, spec.num_accepted_tokens], dtype=torch.float64)
-        dist.all_reduce(counts)
-        acceptance = 1.0 + counts[1].item() / counts[0].item() if counts[0] > 0 else float("nan")
-        return sequences, features, acceptance
+        return sequences, features, prompt_lengths
 
-    def evaluate(self, sequences, features) -> dict[str, float]:
-        """Drafter loss and top-1 agreement over every rank's held-out sequences (counted once: on the
-        first TP rank of the last pipeline stage)."""
+    def evaluate(self, sequences, features, prompt_lengths) -> dict[str, float]:
+        """Drafter loss, top-1 agreement and the teacher-forced expected acceptance length at ``eval_depth`` over
+        every rank's held-out sequences (counted once: on the first TP rank of the last pipeline stage)."""
         sums = self.trainer.evaluate(sequences, features)  # zeros for a rank without sequences
+        tally = AcceptanceTally.empty(self.settings.eval_depth)
         stage = mcore.stage_info()
-        if stage.tp_rank != 0 or not stage.is_last_stage:
+        if stage.tp_rank == 0 and stage.is_last_stage:
+            embedding, lm_head = self.trainer.policy_heads
+            with torch.no_grad():
+                tally = measure(self.trainer.drafter, list(zip(sequences, features, prompt_lengths)),
+                                embedding_vh=embedding, lm_head_vh=lm_head, depth=self.settings.eval_depth,
+                                temperature=self.config.rollout.temperature,
+                                greedy_draft=self.config.speculation.draft_sampling == "greedy",
+                                pack_tokens=self.config.drafter.pack_tokens)
+        else:
             sums = dict.fromkeys(sums, 0.0)
-        totals = torch.tensor([sums["loss_sum"], sums["top1_sum"], sums["tokens"]], dtype=torch.float64)
+        # on the CPU on purpose: reduced over gloo, not NCCL
+        totals = torch.cat([torch.tensor([sums["loss_sum"], sums["top1_sum"], sums["tokens"]], dtype=torch.float64),
+                            tally.as_tensor().double()])
         dist.all_reduce(totals)
-        return {"loss": totals[0].item() / totals[2].item(), "top1_agreement": totals[1].item() / totals[2].item()}
+        tally = AcceptanceTally.from_tensor(self.settings.eval_depth, totals[3:])
+        return {"loss": totals[0].item() / totals[2].item(), "top1_agreement": totals[1].item() / totals[2].item(),
+                "acceptance_length": tally.expected_length, "acceptance_by_position": tally.acceptance_by_position}
 
     def train(self, show_progress: bool) -> int:
         """``epochs`` passes over the buffer, replicas averaged after each; returns tokens trained (all ranks)."""
@@ -175,22 +185,21 @@ def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: 
         session = _Session(config, Path(policy_dir) if policy_dir is not None else None, Path(workdir))
         train_prompts, eval_prompts = _split_prompts(session.task, settings, config.data.curriculum_max_prompt_tokens)
         seed = config.trainer.seed
-        eval_seqs, eval_feats, acceptance_before = session.generate_with_features(
-            eval_prompts, seed, "held-out responses, drafter before")
-        before = session.evaluate(eval_seqs, eval_feats)
+        held_out = session.generate_with_features(eval_prompts, seed, "held-out responses")
+        before = session.evaluate(*held_out)
         train_seqs, train_feats, _ = session.generate_with_features(train_prompts, seed + 1, "responses to train on")
         session.trainer.add_sequences(train_seqs, train_feats)
         tokens = session.train(show_progress=is_reporter)
-        after = session.evaluate(eval_seqs, eval_feats)
-        session.engine.load_drafter(session.trainer.export_tensors())
-        _, _, acceptance_after = session.generate_with_features(eval_prompts, seed, "held-out responses, drafter after")
+        after = session.evaluate(*held_out)
         figures = {
             "tokens_trained": tokens, "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
             "epochs": settings.epochs, "eval_depth": settings.eval_depth,
             "held_out_top1_agreement_before": before["top1_agreement"],
             "held_out_top1_agreement_after": after["top1_agreement"],
             "held_out_loss_before": before["loss"], "held_out_loss_after": after["loss"],
-            "mean_acceptance_length_before": acceptance_before, "mean_acceptance_length_after": acceptance_after,
+            "held_out_acceptance_length_before": before["acceptance_length"],
+            "held_out_acceptance_length_after": after["acceptance_length"],
+            "held_out_acceptance_by_position_after": after["acceptance_by_position"],
         }
         if not is_reporter:
             return None

@@ -683,7 +683,8 @@ def test_warmup_drafter_distils_the_policy_into_a_servable_drafter_that_agrees_m
     assert info["tokens_trained"] > 0 and f"top-1 agreement {info['held_out_top1_agreement_before']:.3f}" in report
     assert info["held_out_top1_agreement_after"] > info["held_out_top1_agreement_before"] + 0.05
     assert info["held_out_loss_after"] < info["held_out_loss_before"]
-    assert info["mean_acceptance_length_after"] > info["mean_acceptance_length_before"]
+    assert info["held_out_acceptance_length_after"] > info["held_out_acceptance_length_before"]
+    assert len(info["held_out_acceptance_by_position_after"]) == info["eval_depth"]
 
 
 def test_warmup_drafter_refuses_bad_input_before_starting_ranks(env, tlt_in_process, monkeypatch, tmp_path):

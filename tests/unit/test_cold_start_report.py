@@ -14,7 +14,7 @@ from megatron_tlt.rl.run.metric_loggers import MetricLoggers
 FIGURES = {"tokens_trained": 100, "train_prompts": 18, "eval_prompts": 6, "epochs": 2, "eval_depth": 2,
            "held_out_top1_agreement_before": 0.25, "held_out_top1_agreement_after": 0.5,
            "held_out_loss_before": 2.0, "held_out_loss_after": 1.0,
-           "mean_acceptance_length_before": 1.5, "mean_acceptance_length_after": 2.25}
+           "held_out_acceptance_length_before": 1.5, "held_out_acceptance_length_after": 2.25}
 
 
 def test_the_tiny_defaults_cold_start_comes_from_the_package_then_from_the_cache_and_costs_no_time(tmp_path, capsys):
@@ -52,7 +52,7 @@ def test_a_cold_start_the_run_makes_says_what_it_does_and_why_first_and_what_it_
         f"before RL (its responses to up to {settings.prompts} prompts, then {settings.epochs} epochs of training); "
         f"made once, cached in {made.directory}; logs in {launched['log_dir']}\n")
     assert capsys.readouterr().out == ("cold start: done in 0.0 min; held-out top-1 agreement with the policy 0.250 -> "
-                                       "0.500, acceptance length at depth 2 1.50 -> 2.25\n")
+                                       "0.500, acceptance length at depth 2 (teacher-forced) 1.50 -> 2.25\n")
     assert obtain_cold_start("tiny", overrides, make=False).source == "cache"  # the next run's
 
 
