@@ -33,6 +33,7 @@ from megatron_tlt.config import ColdStartConfig, TLTConfig
 from megatron_tlt.drafter import store
 from megatron_tlt.drafter.quality import AcceptanceTally, measure
 from megatron_tlt.drafter.precision import resolve_precision
+from megatron_tlt.drafter.serving import MeasureSettings
 from megatron_tlt.drafter.trainer import DrafterTrainer
 from megatron_tlt.formats.hf_io import atomic_output_dir
 from megatron_tlt.model import mcore
@@ -139,10 +140,8 @@ class _Session:
             embedding, lm_head = self.trainer.policy_heads
             with torch.no_grad():
                 tally = measure(self.trainer.drafter, list(zip(sequences, features, prompt_lengths)),
-                                embedding_vh=embedding, lm_head_vh=lm_head, depth=self.settings.eval_depth,
-                                temperature=self.config.rollout.temperature,
-                                greedy_draft=self.config.speculation.draft_sampling == "greedy",
-                                pack_tokens=self.config.drafter.pack_tokens)
+                                embedding_vh=embedding, lm_head_vh=lm_head, **MeasureSettings.from_config(
+                                    self.config, depth=self.settings.eval_depth).measure_kwargs())
         else:
             sums = dict.fromkeys(sums, 0.0)
         # on the CPU on purpose: reduced over gloo, not NCCL

@@ -58,6 +58,18 @@ class MeasureSettings:
     gate: bool
     """Push a candidate only when it measures at least as well as the serving drafter (else: always)."""
 
+    @classmethod
+    def from_config(cls, config, *, depth: int) -> "MeasureSettings":
+        """The measure a run's config asks for at ``depth``: its rollout temperature, draft sampling and packing."""
+        return cls(depth=depth, temperature=config.rollout.temperature,
+                   greedy_draft=config.speculation.draft_sampling == "greedy",
+                   pack_tokens=config.drafter.pack_tokens, gate=config.drafter.push_gate)
+
+    def measure_kwargs(self) -> dict:
+        """``quality.measure``'s settings."""
+        return dict(depth=self.depth, temperature=self.temperature, greedy_draft=self.greedy_draft,
+                    pack_tokens=self.pack_tokens)
+
 
 def candidate_wins(candidate: AcceptanceTally, serving: AcceptanceTally) -> bool:
     """The gate: at least the serving drafter's expected acceptance length on the same held-out chains. With no
@@ -98,8 +110,7 @@ class ServingDrafter:
         sequences), and push the candidate if the gate lets it through."""
         started = time.perf_counter()
         s = self.settings
-        kwargs = dict(embedding_vh=embedding_vh, lm_head_vh=lm_head_vh, depth=s.depth, temperature=s.temperature,
-                      greedy_draft=s.greedy_draft, pack_tokens=s.pack_tokens)
+        kwargs = dict(embedding_vh=embedding_vh, lm_head_vh=lm_head_vh, **s.measure_kwargs())
         drafters = [self.drafter] + ([] if self._serving_is_reference else [self.reference])
         drafters += [candidate] if candidate is not None else []
         tallies = [measure(d, held_out, **kwargs) if held_out else AcceptanceTally.empty(s.depth) for d in drafters]

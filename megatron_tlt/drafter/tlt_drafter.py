@@ -83,9 +83,7 @@ class TLTDrafter:
         info = self._load(start_step, rank=rank, world=world, is_reporter=is_reporter)
         self.serving = None
         if d.depth > 0 and d.quality_rows > 0:  # measured every quality_every steps, pushed through the gate
-            settings = MeasureSettings(depth=d.depth, temperature=config.rollout.temperature,
-                                       greedy_draft=config.speculation.draft_sampling == "greedy",
-                                       pack_tokens=d.pack_tokens, gate=d.push_gate)
+            settings = MeasureSettings.from_config(config, depth=d.depth)
             self.serving = ServingDrafter(self.trainer.drafter, settings, pushes=int(info.get("pushes", 0)),
                                           declined=int(info.get("pushes_declined", 0)))
             if info:  # resumed: the reference is still the drafter the run started from
