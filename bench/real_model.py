@@ -26,7 +26,7 @@ Run (after ``bash bench/install_real_model.sh``, the only step that downloads; `
 
 By default the training file holds exactly the ``--prompts`` prompts plain vLLM samples and a step takes them all
 (``trainer.prompts_per_step``), so every step of the run answers the very prompts of the reference;
-``--train-prompts`` makes it larger. The figures go to WORK/real_model.json; the run to WORK/runs/<time>/.
+``--train-prompts`` makes it larger; ``--task one-step`` keeps only the one-operation problems (an easier task). The figures go to WORK/real_model.json; the run to WORK/runs/<time>/.
 """
 
 from __future__ import annotations
@@ -63,10 +63,15 @@ NAMES = ("Tom", "Ana", "Sam", "Mia", "Ben", "Lily", "Omar", "Zoe")
 ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "shells", "cards")
 
 
-def word_problem(rng: random.Random) -> tuple[str, int]:
-    """One problem of 1-2 operations on small numbers and its answer (a positive integer)."""
+# The problem kinds word_problem writes: 0-3 take one operation, 4-5 two. "one-step" is the easier task, nearer
+# what SmolLM2-135M-Instruct solves at temperature 1 (it solves about 3% of the mixed one).
+TASKS = {"mixed": tuple(range(6)), "one-step": (0, 1, 2, 3)}
+
+
+def word_problem(rng: random.Random, kinds: tuple[int, ...] = TASKS["mixed"]) -> tuple[str, int]:
+    """One problem of 1-2 operations on small numbers and its answer (a positive integer), of one of ``kinds``."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    kind = rng.randrange(6)
+    kind = kinds[rng.randrange(len(kinds))]  # the mixed task draws as it always did: randrange(6)
     if kind == 0:
         a, b = rng.randint(2, 9), rng.randint(2, 9)
         return f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", a + b
@@ -92,13 +97,13 @@ def word_problem(rng: random.Random) -> tuple[str, int]:
             f"How many {item} does {name} have left?", a * b - c)
 
 
-def make_problems(count: int, seed: int, *, exclude: set[str] = frozenset()) -> list[dict]:
-    """``count`` distinct problems as rows `tlt train data.path=` reads: a one-message chat prompt that states the
-    answer format, and the answer under ``answer``. Seeded; prompts in ``exclude`` are skipped (a held-out set
-    shares no prompt with the training set)."""
+def make_problems(count: int, seed: int, *, exclude: set[str] = frozenset(), task: str = "mixed") -> list[dict]:
+    """``count`` distinct problems of ``task`` (a TASKS name) as rows `tlt train data.path=` reads: a one-message
+    chat prompt that states the answer format, and the answer under ``answer``. Seeded; prompts in ``exclude`` are
+    skipped (a held-out set shares no prompt with the training set)."""
     rng, rows, seen = random.Random(seed), [], set(exclude)
     while len(rows) < count:
-        question, answer = word_problem(rng)
+        question, answer = word_problem(rng, TASKS[task])
         content = f"{question} {ANSWER_FORMAT}"
         if content not in seen:
             seen.add(content)
@@ -309,7 +314,8 @@ def reference_in_child(hf_dir: Path, work: Path, name: str, args) -> dict:
     out = work / f"{name}.json"
     command = [sys.executable, __file__, "reference", "--model", str(hf_dir), "--work", str(work), "--out", str(out),
                "--prompts", str(args.prompts), "--samples", str(args.samples), "--max-tokens", str(args.max_tokens),
-               "--held-out", str(args.held_out), "--seed", str(args.seed), "--temperature", str(args.temperature)]
+               "--held-out", str(args.held_out), "--seed", str(args.seed), "--temperature", str(args.temperature),
+               "--task", args.task]
     if args.train_prompts:
         command += ["--train-prompts", str(args.train_prompts)]
     log = work / f"{name}.log"
@@ -467,8 +473,9 @@ def print_run(run: dict, wall: float, prompts_per_step: int) -> None:
 
 def _prepare(work: Path, args) -> tuple[list[dict], list[dict]]:
     """The training prompts (the reference's first, see the docstring) and the held-out ones, written to WORK."""
-    train = make_problems(max(args.train_prompts or args.prompts, args.prompts), seed=args.seed)
-    held_out = make_problems(args.held_out, seed=args.seed + 1, exclude={r["prompt"][0]["content"] for r in train})
+    train = make_problems(max(args.train_prompts or args.prompts, args.prompts), seed=args.seed, task=args.task)
+    held_out = make_problems(args.held_out, seed=args.seed + 1, exclude={r["prompt"][0]["content"] for r in train},
+                             task=args.task)
     work.mkdir(parents=True, exist_ok=True)
     write_jsonl(work / "train.jsonl", train)
     write_jsonl(work / "held_out.jsonl", held_out)
@@ -492,6 +499,8 @@ def main(argv: list[str]) -> None:
         sub.add_argument("--train-prompts", type=int, default=None, help="training file size (default --prompts)")
         sub.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (hf.yaml's: 1.0)")
         sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument("--task", choices=sorted(TASKS), default="mixed",
+                         help="the word problems: all kinds, or only the one-operation ones (easier)")
     ref = commands.choices["reference"]
     ref.add_argument("--model", type=Path, default=None, help="HF directory (default WORK/hf)")
     ref.add_argument("--out", type=Path, default=None, help="figures JSON (default WORK/reference.json)")

@@ -51,6 +51,16 @@ def test_every_template_is_drawn():
         assert phrase in text
 
 
+def test_the_one_step_task_draws_only_one_operation():
+    bench = _bench()
+    rows = bench.make_problems(300, seed=0, task="one-step")
+    text = " ".join(re.sub(r"\d+", "N", row["prompt"][0]["content"]) for row in rows)
+    for phrase in ("buys N more. How", "gives N to a friend", "bags with", "equally among"):
+        assert phrase in text
+    assert "then gives" not in text and "boxes with" not in text
+    assert all(int(row["answer"]) == _solve(row["prompt"][0]["content"]) for row in rows)
+
+
 def test_the_prompt_states_the_format_the_reward_reads():
     bench = _bench()
     reward = get_reward_fn(bench.REWARD)
