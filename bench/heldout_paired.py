@@ -2,6 +2,10 @@
 
     tlt train trainer.run_dir=runs/main
     python bench/heldout_paired.py --run runs/main            # 8 samples per problem
+    python bench/heldout_paired.py --run RUN data.held_out_path=held_out.jsonl   # a run on a prompt file
+
+The run's config.yaml says what to answer; key=value overrides after it change it for this measure (a run on a
+prompt file made without ``data.held_out_path`` names its held-out file so).
 
 One engine answers the run's held-out problems twice: with the run's initial policy, then with its latest
 checkpoint. Each pass answers greedily and with --samples samples per problem at the rollout temperature, with
@@ -61,19 +65,20 @@ def paired(before: list[float], after: list[float]) -> tuple[float, float]:
     return statistics.fmean(differences), statistics.stdev(differences) / len(differences) ** 0.5
 
 
-def evaluate(run: Path, samples: int) -> tuple[PolicyAnswers, PolicyAnswers, float]:
+def evaluate(run: Path, samples: int, overrides: list[str] = ()) -> tuple[PolicyAnswers, PolicyAnswers, float]:
     """(the initial policy's answers, the latest checkpoint's, the temperature sampled at)."""
     from megatron_tlt.config import load_config
     from megatron_tlt.parallel import ParallelLayout
     from megatron_tlt.rl.rank_session import RankSession
     from megatron_tlt.rl.run.checkpoint_paths import resolve_policy_dir
 
-    config = load_config(str(run / "config.yaml"))
+    config = load_config(str(run / "config.yaml"), list(overrides))
     final_policy = resolve_policy_dir(run)  # before the engine starts: a wrong --run fails fast
     with ParallelLayout(seed=config.trainer.seed), tempfile.TemporaryDirectory(prefix="tlt-heldout-") as workdir:
         initial = RankSession(config)
         if not initial.task.held_out:
-            raise SystemExit(f"{run}: its task has no held-out problems (a prompt file): nothing to compare on")
+            raise SystemExit(f"{run}: its task has no held-out problems (a prompt file without data.held_out_path): "
+                             "nothing to compare on; name one after --run: data.held_out_path=FILE")
         engine = initial.open_engine(Path(workdir) / "engine")
         try:
             initial.sync(engine)
@@ -91,11 +96,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, required=True, help="a tlt train run directory")
     parser.add_argument("--samples", type=int, default=8, help="samples per problem at the rollout temperature")
+    parser.add_argument("overrides", nargs="*", help="key=value changes to the run's config for this measure")
     args = parser.parse_args()
     if args.samples < 2:
         parser.error("--samples must be >= 2")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine's progress lines would bury the table
-    before, after, temperature = evaluate(args.run, args.samples)
+    before, after, temperature = evaluate(args.run, args.samples, args.overrides)
     print(f"{len(before.greedy)} held-out problems; greedy, and {args.samples} samples each at temperature "
           f"{temperature:g} (the same seeds for both policies)")
     print(f"{'':10s} {'before':>7s} {'after':>7s}   after - before (standard error)")

@@ -17,10 +17,11 @@ from megatron_tlt.layout_rules import resolve_engine_tp
 from megatron_tlt.rl.run.artifact_cache import cache_root
 
 
-NULL_MEANS_NONE = frozenset({"model.hf_dir", "data.path", "data.ray_address", "algorithm.tis_cap", "drafter.init_dir",
-                             "speculation.max_speculative_batch"})
-"""The keys whose null is a value of its own (no model directory, no data file, no Ray cluster, no TIS, a random
-drafter start, no batch limit on speculation): every other null of a run's config.yaml is decided when it starts."""
+NULL_MEANS_NONE = frozenset({"model.hf_dir", "data.path", "data.held_out_path", "data.ray_address", "algorithm.tis_cap",
+                             "drafter.init_dir", "speculation.max_speculative_batch"})
+"""The keys whose null is a value of its own (no model directory, no data file, no held-out file, no Ray cluster, no
+TIS, a random drafter start, no batch limit on speculation): every other null of a run's config.yaml is decided when
+it starts."""
 
 
 def decided(config: TLTConfig, *, run_name: str) -> TLTConfig:

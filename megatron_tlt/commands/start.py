@@ -168,8 +168,10 @@ hashed whole; 4: the policy answers without drafts and the held-out acceptance i
 COLD_START_TRAINING_FIELDS = ("pack_tokens", "hidden_weight", "ce_weight", "tv_weight", "unroll_steps", "precision",
                               "init_dir")
 """The drafter's settings its cold-start training reads (its rate and budget are drafter.cold_start's own)."""
-# How the RL run scores rewards (inline or on a Ray pool) does not reach the cold start, which scores nothing.
-REWARD_SCORING_DATA_FIELDS = ("reward_workers", "reward_timeout_s", "reward_failure_value", "ray_address")
+# How the RL run scores rewards (inline or on a Ray pool) does not reach the cold start, which scores nothing; nor
+# does the held-out file the run evaluates on.
+DATA_FIELDS_THE_COLD_START_IGNORES = ("reward_workers", "reward_timeout_s", "reward_failure_value", "ray_address",
+                                      "held_out_path")
 
 
 def cold_start_dir(config) -> Path:
@@ -180,7 +182,7 @@ def cold_start_dir(config) -> Path:
 
     d = config.drafter
     recipe = {k: v for k, v in dataclasses.asdict(d.cold_start).items() if k != "enabled"}
-    data = {k: v for k, v in dataclasses.asdict(config.data).items() if k not in REWARD_SCORING_DATA_FIELDS}
+    data = {k: v for k, v in dataclasses.asdict(config.data).items() if k not in DATA_FIELDS_THE_COLD_START_IGNORES}
     key = cache_key(version=COLD_START_KEY_VERSION, cold_start=recipe,
                     training={name: getattr(d, name) for name in COLD_START_TRAINING_FIELDS},
                     warmup=warmup_recipe(config), model=dataclasses.asdict(config.model), data=data,

@@ -88,6 +88,10 @@ class DataConfig:
 
     path: str | None = None
     """JSONL or parquet prompt file; None uses the built-in synthetic long-tail task."""
+    held_out_path: str | None = None
+    """With path: a prompt file of the same format never trained on, whose greedy and sampled accuracy the run
+    measures before RL, every ``trainer.eval_every`` steps and after the last (VeRL's ``val_files``); None: no
+    held-out measure. Read the same way as path (bad rows counted and skipped)."""
     reward: str = "exact_match"
     """Reward function: a registered name or "package.module:function"."""
     reward_workers: int = 0
@@ -144,6 +148,9 @@ class DataConfig:
                               max_prompt_tokens=self.max_prompt_tokens)
         if not self.ground_truth_keys:
             raise ConfigError("data.ground_truth_keys is empty: name at least one key, e.g. [answer]")
+        if self.held_out_path is not None and self.path is None:
+            raise ConfigError("data.held_out_path needs data.path: the built-in task makes its own held-out problems "
+                              "(data.held_out_prompts)")
         if self.reward_workers < 0:
             raise ConfigError(f"data.reward_workers must be >= 0 (0: score inline), got {self.reward_workers}")
         if not self.reward_timeout_s > 0.0:  # written so that NaN fails too

@@ -39,33 +39,35 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """(the HF model directory, a JSONL of chat-message prompts with their answers)."""
+    """(the HF model directory, a JSONL of chat-message prompts with their answers, a held-out JSONL of others)."""
     from tiny_models import make_tiny_chat_model
     from megatron_tlt.rl.tiny import synthetic_task
 
     root = tmp_path_factory.mktemp("byo")
     problems = synthetic_task.generate_problems(200, seed=5)
     hf_dir = make_tiny_chat_model(root / "hf", [p.prompt + p.solution for p in problems], seed=4)
-    data = root / "chat.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": p.prompt}], "answer": p.answer}) + "\n"
-                            for p in problems[:8]))
-    return hf_dir, data
+    data, held_out = root / "chat.jsonl", root / "held_out.jsonl"
+    for path, chosen in ((data, problems[:8]), (held_out, problems[8:12])):
+        path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": p.prompt}], "answer": p.answer})
+                                + "\n" for p in chosen))
+    return hf_dir, data, held_out
 
 
 @pytest.fixture(scope="module")
 def trained(env, chat_model, tmp_path_factory):
     """The run, and its two exports: (run directory, exported policy, exported drafter)."""
-    hf_dir, data = chat_model
+    hf_dir, data, held_out = chat_model
     root = tmp_path_factory.mktemp("byo-run")
     run_dir, policy_dir, drafter_dir = root / "run", root / "policy-hf", root / "drafter-vllm"
-    _tlt(env, "train", *TRAIN, f"model.hf_dir={hf_dir}", f"data.path={data}", f"trainer.run_dir={run_dir}")
+    _tlt(env, "train", *TRAIN, f"model.hf_dir={hf_dir}", f"data.path={data}", f"data.held_out_path={held_out}",
+         f"trainer.run_dir={run_dir}")
     _tlt(env, "convert", "mcore-to-hf", "--ckpt", str(run_dir), "--out", str(policy_dir))
     _tlt(env, "export-drafter", "--ckpt", str(run_dir), "--out", str(drafter_dir))
     return run_dir, policy_dir, drafter_dir
 
 
 def test_a_config_with_model_type_only_converts_both_ways_bit_for_bit_with_its_tokenizer(env, chat_model, tmp_path):
-    hf_dir, _ = chat_model
+    hf_dir, *_ = chat_model
     assert "architectures" not in json.loads((hf_dir / "config.json").read_text())
     ckpt, back = tmp_path / "mcore", tmp_path / "hf"
     _tlt(env, "convert", "hf-to-mcore", "--hf", str(hf_dir), "--out", str(ckpt))
@@ -89,6 +91,9 @@ def test_the_run_trains_on_chat_prompts_and_its_rank_logs_hold_no_traceback(trai
     assert "init_dir: " in config and "init_dir: null" not in config  # the cold start made the first drafter
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert "vLLM engine ready" in log and "Traceback" not in log
+    # data.held_out_path: measured before RL and after the last step (trainer.eval_every=0)
+    before = json.loads((run_dir / "eval_before_rl.json").read_text())
+    assert {"eval/greedy_accuracy", "eval/sampled_accuracy"} <= set(before) & set(records[-1])
     # the configs the run wrote for its engines name the class that model_type stood for
     engine_configs = list((run_dir / "engines").rglob("config.json"))
     assert engine_configs and all(json.loads(p.read_text())["architectures"] == ["LlamaForCausalLM"]
@@ -113,7 +118,7 @@ def test_the_engine_samples_the_tied_policy_every_step_and_the_samples_say_what_
 
 
 def test_the_exported_policy_holds_the_tokenizer_and_chat_template_of_the_policy_it_came_from(chat_model, trained):
-    hf_dir, _ = chat_model
+    hf_dir, *_ = chat_model
     run_dir, policy_dir, _ = trained
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         assert (run_dir / "checkpoints" / "step_000002" / "policy" / name).is_file(), name
@@ -127,7 +132,7 @@ def test_transformers_loads_the_exported_policy_as_it_is_and_renders_the_chat_as
 
     from megatron_tlt.formats.tokenizer import load_tokenizer
 
-    hf_dir, _ = chat_model
+    hf_dir, *_ = chat_model
     _, policy_dir, _ = trained
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     ours = load_tokenizer(hf_dir)  # what the run rendered its prompts with
@@ -160,7 +165,7 @@ def test_vllm_serves_the_exported_policy_with_its_tokenizer_and_the_exported_dra
     from megatron_tlt.formats.tokenizer import load_tokenizer
     from megatron_tlt.launcher import run_on_ranks
 
-    hf_dir, _ = chat_model
+    hf_dir, *_ = chat_model
     _, policy_dir, drafter_dir = trained
     served = run_on_ranks(_serve_with_tokenizer_and_drafter, 1, str(policy_dir), str(drafter_dir), isolated=True)[0]
     ours = load_tokenizer(hf_dir)

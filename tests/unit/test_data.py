@@ -285,3 +285,25 @@ def test_the_data_keys_of_a_prompt_file_are_config_keys_a_run_can_set():
         max_prompt_tokens=64, add_bos_to_text=False)
     with pytest.raises(ConfigError, match=r"data.ground_truth_keys is empty"):
         load_config("tiny", ["data.ground_truth_keys=[]"])
+
+
+def test_a_held_out_file_is_read_as_the_prompt_file_is_and_prompts_it_shares_with_it_are_said(tmp_path, caplog):
+    """data.held_out_path: the prompts a run on a prompt file measures its accuracy on (VeRL's val_files)."""
+    from tiny_models import make_tiny_chat_model
+
+    from megatron_tlt.config import ConfigError, load_config
+    from megatron_tlt.rl.inputs.pretrained_source import PretrainedSource
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} plus 2?"}], "answer": str(a + 2)} for a in range(8)]
+    hf_dir = make_tiny_chat_model(tmp_path / "hf", [row["prompt"][0]["content"] for row in rows])
+    train = write_jsonl(tmp_path / "train.jsonl", rows[:6])
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", rows[4:] + ["{not json"])
+    config = load_config("hf", [f"model.hf_dir={hf_dir}", f"data.path={train}", f"data.held_out_path={held_out}"])
+    with caplog.at_level(logging.WARNING):
+        task = PretrainedSource(config).load_task()
+    assert [e.ground_truth for e in task.held_out] == ["6", "7", "8", "9"]  # the bad row counted and skipped
+    assert "2 of its 4 prompts are also in data.path" in caplog.text
+    without = load_config("hf", [f"model.hf_dir={hf_dir}", f"data.path={train}"])
+    assert PretrainedSource(without).load_task().held_out == []
+    with pytest.raises(ConfigError, match=r"data.held_out_path needs data.path"):
+        load_config("tiny", [f"data.held_out_path={held_out}"])

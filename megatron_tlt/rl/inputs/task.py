@@ -27,7 +27,7 @@ class Task:
     arch: PolicyArchitecture
     dataset: PromptDataset
     held_out: list[PromptExample]
-    """Prompts never trained on, for evaluation (empty for a prompt file)."""
+    """Prompts never trained on, for evaluation (a prompt file's: ``data.held_out_path``'s, else none)."""
 
     def __post_init__(self):
         if self.tokenizer.eos_id is None:
