@@ -57,23 +57,28 @@ class PolicyPass:
         feed = DrafterFeed(plan, scored, model=self.model, drafter=self.drafter, on_policy=self.on_policy,
                            quality_rows=self.config.drafter.quality_rows)
         feed.forward_the_held_out_rest(timeline, **self.forward)
-        old, ref = self._logprob_pass(scored.sequences, feed, timeline)
+        old, ref = self._logprob_pass(scored, feed, timeline)
         metrics, agreement = self._update(scored, old, ref, feed, timeline)
         serial_tail = self.drafter.after_update(plan, timeline)  # on the critical path, on this step's features
         return PolicyPassOutcome(metrics=metrics, agreement=rollout_agreement.summary_fields(agreement), feed=feed,
                                  serial_tail=serial_tail)
 
-    def _logprob_pass(self, sequences: list[list[int]], feed: DrafterFeed, timeline: RankTimeline):
-        """Old log-probs (None on-policy) and reference log-probs (None without the KL term)."""
-        old, ref = None, None
+    def _logprob_pass(self, scored: ScoredStep, feed: DrafterFeed, timeline: RankTimeline):
+        """Old log-probs (None on-policy) and reference log-probs by sequence index (None without the KL term or
+        where every group was filtered out)."""
+        sequences, old, ref = scored.sequences, None, None
         with timeline.phase("logprob"):
             if not self.on_policy:  # features are cut to what the drafter buffer keeps: a step can be far larger
                 result = compute_logprobs(self.model, sequences, **self.forward, capture_hidden=feed.in_logprob_pass,
                                           max_feature_rows=self.config.drafter.buffer_tokens)
                 old = result.token_logprobs
                 feed.take(sequences, result, list(range(len(sequences))))
-            if self.reference is not None:
-                ref = compute_logprobs(self.reference, sequences, **self.forward).token_logprobs
+            # Only the sequences the update trains on: a filtered-out group's KL term is never read. On a model
+            # that solves few prompts most groups score alike, and this forward was most of the phase.
+            trained = [i for i, advantage in enumerate(scored.advantages) if advantage == advantage]  # not NaN
+            if self.reference is not None and trained:
+                rows = compute_logprobs(self.reference, [sequences[i] for i in trained], **self.forward).token_logprobs
+                ref = dict(zip(trained, rows)) if rows else None  # no rows off the last pipeline stage
         return old, ref
 
     def _sequences(self, scored: ScoredStep, old, ref) -> list[tuple[int, PolicySequence]]:
