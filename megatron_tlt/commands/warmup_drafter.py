@@ -111,9 +111,13 @@ class _Session:
         if own:
             share = f" (rank 0's share of {len(prompts)})" if len(own) < len(prompts) else ""
             bar = _progress(len(own), f"cold start: {what}{share}", "response", show=self.rank == 0)
-            result = self.engine.generate([e.prompt_ids for e in own], self.ranks.sampling(
-                n=1, temperature=self.config.rollout.temperature, seed=seed + self.placement.leader_rank),
-                on_finished=lambda _, responses: bar.update(len(responses)))
+            sampling = self.ranks.sampling(n=1, temperature=self.config.rollout.temperature,
+                                           seed=seed + self.placement.leader_rank)
+            cap = self.settings.max_response_tokens
+            if cap is not None and cap < sampling.max_tokens:
+                sampling = dataclasses.replace(sampling, max_tokens=cap)
+            result = self.engine.generate([e.prompt_ids for e in own], sampling,
+                                          on_finished=lambda _, responses: bar.update(len(responses)))
             bar.close()
             sequences = [(list(e.prompt_ids) + responses[0], len(e.prompt_ids))
                          for e, responses in zip(own, result.token_ids)]

@@ -32,10 +32,17 @@ class ColdStartConfig:
     """Learning rate of its training (drafter.lr is the online steps')."""
     eval_depth: int = 2
     """Draft depth of the acceptance-length figure."""
+    max_response_tokens: int | None = None
+    """The longest response the policy writes for it (training and held-out), at most rollout.max_response_tokens;
+    null: that cap. A response cut short still teaches the drafter the policy's next tokens, and the few that run to
+    a long cap set the time the cold start's answering takes."""
 
     def __post_init__(self) -> None:
         _require_at_least_one("drafter.cold_start", prompts=self.prompts, eval_prompts=self.eval_prompts,
                               epochs=self.epochs, eval_depth=self.eval_depth)
+        if self.max_response_tokens is not None and self.max_response_tokens < 1:
+            raise ConfigError(f"drafter.cold_start.max_response_tokens must be >= 1 or null (the rollout's cap), got "
+                              f"{self.max_response_tokens}")
         if not self.lr > 0:
             raise ConfigError(f"drafter.cold_start.lr must be > 0, got {self.lr}")
 

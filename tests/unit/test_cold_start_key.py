@@ -30,7 +30,7 @@ def test_tlt_on_and_off_share_the_cold_start_drafter(tmp_path):
 
 @pytest.mark.parametrize("override", ["rollout.temperature=0.6", "rollout.max_response_tokens=64",
                                       "drafter.cold_start.lr=1e-2", "drafter.cold_start.epochs=2",
-                                      "drafter.cold_start.eval_depth=4",
+                                      "drafter.cold_start.eval_depth=4", "drafter.cold_start.max_response_tokens=32",
                                       "model.tiny.num_layers=2", "data.max_solution_steps=8", "trainer.seed=7",
                                       "parallel.data_parallel_size=1", "drafter.unroll_steps=2",
                                       "data.curriculum_steps=5 data.curriculum_max_prompt_tokens=15"])
