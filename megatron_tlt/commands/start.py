@@ -181,9 +181,12 @@ def cold_start_dir(config) -> Path:
     from megatron_tlt.rl.run.artifact_cache import cache_key, cache_root, warmup_recipe
 
     d = config.drafter
-    # A null setting means the run's own value, which the key hashes where it is read (max_response_tokens: the
-    # rollout's cap, under sampling); left out, it keeps the keys made before the setting existed.
-    recipe = {k: v for k, v in dataclasses.asdict(d.cold_start).items() if k != "enabled" and v is not None}
+    recipe = {k: v for k, v in dataclasses.asdict(d.cold_start).items() if k != "enabled"}
+    # A cap at or above the rollout's (null: the rollout's, as the run's config.yaml writes it) caps nothing: the
+    # key hashes the rollout's cap under sampling, and leaving the field out keeps the keys made before it existed.
+    cap = recipe.pop("max_response_tokens")
+    if cap is not None and cap < config.rollout.max_response_tokens:
+        recipe["max_response_tokens"] = cap
     data = {k: v for k, v in dataclasses.asdict(config.data).items() if k not in DATA_FIELDS_THE_COLD_START_IGNORES}
     key = cache_key(version=COLD_START_KEY_VERSION, cold_start=recipe,
                     training={name: getattr(d, name) for name in COLD_START_TRAINING_FIELDS},

@@ -22,6 +22,9 @@ def test_tlt_on_and_off_share_the_cold_start_drafter(tmp_path):
     # nor how the run checks its engine against the trainer
     assert _entry(tmp_path, "rollout.agreement_bound=1.2", "rollout.agreement_stop_level=2") == off
     assert off == on and off.startswith(str(tmp_path / "drafter-"))
+    # a cold-start cap at or above the rollout's caps nothing (a run's config.yaml writes the rollout's for null)
+    assert _entry(tmp_path, "drafter.cold_start.max_response_tokens=768") == off
+    assert _entry(tmp_path, "drafter.cold_start.max_response_tokens=1000") == off
     # not shipped, not made: under torchrun it must exist beforehand
     with pytest.raises(FileNotFoundError, match="drafter.cold_start.enabled: no cold-start drafter cached at") as err:
         cold_start_drafter("tiny", [f"warmup.cache_dir={tmp_path}", "warmup.use_shipped=false"], make=False)
