@@ -17,8 +17,8 @@ DRAFTER_PRECISIONS = get_args(DrafterPrecision)
 class ColdStartConfig:
     """The drafter's cold start (``tlt warmup-drafter``): the initial policy answers some prompts and the drafter
     trains on its responses, before RL's first step. Made on first use and cached under a hash of this section
-    whole, with what it reads of the policy, the prompts and the drafter's training (``commands/cold_start.py``);
-    ``tlt warmup-drafter`` makes one from the same keys (its flags set them)."""
+    (a response cap that caps nothing left out), with what it reads of the policy, the prompts and the drafter's
+    training (``commands/start.py``); ``tlt warmup-drafter`` makes one from the same keys (its flags set them)."""
 
     enabled: bool = False
     """With speculation on and no drafter.init_dir: start from the cold start instead of random weights."""
@@ -34,7 +34,7 @@ class ColdStartConfig:
     """Draft depth of the acceptance-length figure."""
     max_response_tokens: int | None = None
     """The longest response the policy writes for it (training and held-out), at most rollout.max_response_tokens;
-    null: that cap. A response cut short still teaches the drafter the policy's next tokens, and the few that run to
+    null: that cap (the run's config.yaml writes it). A response cut short still teaches the drafter the policy's next tokens, and the few that run to
     a long cap set the time the cold start's answering takes."""
 
     def __post_init__(self) -> None:
