@@ -168,10 +168,8 @@ hashed whole; 4: the policy answers without drafts and the held-out acceptance i
 COLD_START_TRAINING_FIELDS = ("pack_tokens", "hidden_weight", "ce_weight", "tv_weight", "unroll_steps", "precision",
                               "init_dir")
 """The drafter's settings its cold-start training reads (its rate and budget are drafter.cold_start's own)."""
-# How the RL run scores rewards (inline or on a Ray pool) does not reach the cold start, which scores nothing; nor
-# does the held-out file the run evaluates on.
-DATA_FIELDS_THE_COLD_START_IGNORES = ("reward_workers", "reward_timeout_s", "reward_failure_value", "ray_address",
-                                      "held_out_path")
+# How the RL run scores rewards (inline or on a Ray pool) does not reach the cold start, which scores nothing.
+DATA_FIELDS_THE_COLD_START_IGNORES = ("reward_workers", "reward_timeout_s", "reward_failure_value", "ray_address")
 
 
 def cold_start_dir(config) -> Path:
@@ -188,6 +186,10 @@ def cold_start_dir(config) -> Path:
     if cap is not None and cap < config.rollout.max_response_tokens:
         recipe["max_response_tokens"] = cap
     data = {k: v for k, v in dataclasses.asdict(config.data).items() if k not in DATA_FIELDS_THE_COLD_START_IGNORES}
+    # A held-out file is what the cold start evaluates on (else the dataset's tail, which it then does not train
+    # on); without one the field is left out, which keeps the keys made before it existed.
+    if data["held_out_path"] is None:
+        del data["held_out_path"]
     key = cache_key(version=COLD_START_KEY_VERSION, cold_start=recipe,
                     training={name: getattr(d, name) for name in COLD_START_TRAINING_FIELDS},
                     warmup=warmup_recipe(config), model=dataclasses.asdict(config.model), data=data,

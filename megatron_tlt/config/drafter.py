@@ -33,8 +33,8 @@ class ColdStartConfig:
     eval_depth: int = 2
     """Draft depth of the acceptance-length figure."""
     max_response_tokens: int | None = None
-    """The longest response the policy writes for it (training and held-out), at most rollout.max_response_tokens;
-    null: that cap (the run's config.yaml writes it). A response cut short still teaches the drafter the policy's next tokens, and the few that run to
+    """The longest response the policy writes for it (training and held-out); null, or a value above
+    rollout.max_response_tokens: that cap (the run's config.yaml writes it). A response cut short still teaches the drafter the policy's next tokens, and the few that run to
     a long cap set the time the cold start's answering takes."""
 
     def __post_init__(self) -> None:

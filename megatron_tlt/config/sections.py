@@ -91,7 +91,8 @@ class DataConfig:
     held_out_path: str | None = None
     """With path: a prompt file of the same format never trained on, whose greedy and sampled accuracy the run
     measures before RL, every ``trainer.eval_every`` steps and after the last (VeRL's ``val_files``); None: no
-    held-out measure. Read the same way as path (bad rows counted and skipped)."""
+    held-out measure. Read the same way as path (bad rows counted and skipped). The drafter's cold start evaluates
+    on its first prompts too (else on the tail of path, which it then does not train on)."""
     reward: str = "exact_match"
     """Reward function: a registered name or "package.module:function"."""
     reward_workers: int = 0

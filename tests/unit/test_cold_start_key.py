@@ -39,3 +39,12 @@ def test_tlt_on_and_off_share_the_cold_start_drafter(tmp_path):
                                       "data.curriculum_steps=5 data.curriculum_max_prompt_tokens=15"])
 def test_what_the_cold_start_reads_changes_the_entry(tmp_path, override):
     assert _entry(tmp_path, *override.split()) != _entry(tmp_path)
+
+
+def test_a_held_out_file_changes_the_entry_and_none_keeps_it(tmp_path):
+    # the cold start evaluates on the held-out file where there is one, else on the dataset's tail, which it then
+    # does not train on: two different drafters
+    on_file = _entry(tmp_path, f"model.hf_dir={tmp_path}", "data.path=train.jsonl")
+    assert _entry(tmp_path, f"model.hf_dir={tmp_path}", "data.path=train.jsonl",
+                  "data.held_out_path=held_out.jsonl") != on_file
+    assert _entry(tmp_path, f"model.hf_dir={tmp_path}", "data.path=train.jsonl", "data.held_out_path=null") == on_file
