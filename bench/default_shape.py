@@ -29,16 +29,12 @@ PHASES = ("rollout_seconds", "reward_seconds", "logprob_seconds", "update_second
 def drafter_cost_share(overrides: list[str]) -> tuple[float, int, int]:
     """(drafter FLOPs per draft token / policy FLOPs per token, policy layers, drafter parameters)."""
     from megatron_tlt.config import load_config
-    from megatron_tlt.plan.model import count_parameters, drafter_parameters
+    from megatron_tlt.plan.model import drafter_parameters
     from megatron_tlt.rl.task_source import task_source
+    from megatron_tlt.spec.ceiling import drafter_cost_share as cost_share
 
     arch = task_source(load_config(CONFIG, overrides)).architecture()  # the config `tlt train` runs below
-    # A token's matmul FLOPs are 2 x the weights it passes through: the embedding is a lookup, not a matmul
-    # (an untied one is left out; a tied one is the LM head, which both models run once per token).
-    lm_head = arch.vocab_size * arch.hidden_size
-    policy = count_parameters(arch) - (0 if arch.tie_word_embeddings else lm_head)
-    drafter = drafter_parameters(arch)
-    return (drafter + lm_head) / policy, arch.num_layers, drafter
+    return cost_share(arch), arch.num_layers, drafter_parameters(arch)
 
 
 def main() -> None:

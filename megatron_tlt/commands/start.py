@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -199,6 +200,9 @@ def cold_start_dir(config) -> Path:
     return cache_root(config.warmup.cache_dir) / f"drafter-{key}"
 
 
+CEILING_WORTH_SPECULATING = 1.1
+"""Below this ceiling (``spec/ceiling.py``) the cold start warns that speculation can gain little."""
+
 COLD_START_LOG_DIR = "cold_start"
 """Under a run's ``logs/``: the ranks' logs of the cold start that run made."""
 
@@ -233,6 +237,7 @@ def obtain_cold_start(config_name: str | None, overrides: list[str], *, make: bo
     does and why before it starts, and what it took after, and logs its ranks to ``log_dir`` (default
     ``warmup_log_dir`` of the cache entry)."""
     from megatron_tlt.rl.task_source import task_source
+    from megatron_tlt.spec.ceiling import drafter_cost_share, speculation_ceiling
 
     config = load_config(config_name, overrides)
     directory = cold_start_dir(config)
@@ -252,11 +257,21 @@ def obtain_cold_start(config_name: str | None, overrides: list[str], *, make: bo
     figures = start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), log_dir=log_dir,
                                    announce=announce)
     seconds = time.perf_counter() - started
+    acceptance = figures["held_out_acceptance_by_position_after"]
+    ceiling = None
+    if all(math.isfinite(a) for a in acceptance):  # NaN: no held-out chain was long enough to measure
+        ceiling = speculation_ceiling(acceptance, drafter_cost_share(task_source(config).architecture()))
+        figures = {**figures, "speculation_ceiling": ceiling.speedup, "speculation_ceiling_depth": ceiling.depth}
     print(f"cold start: done in {seconds / 60:.1f} min; held-out top-1 agreement with the policy "
           f"{figures['held_out_top1_agreement_before']:.3f} -> {figures['held_out_top1_agreement_after']:.3f}, "
           f"acceptance length at depth {figures['eval_depth']} (teacher-forced) "
-          f"{figures['held_out_acceptance_length_before']:.2f} -> {figures['held_out_acceptance_length_after']:.2f}",
-          flush=True)
+          f"{figures['held_out_acceptance_length_before']:.2f} -> {figures['held_out_acceptance_length_after']:.2f}"
+          + (f"; {ceiling.describe()}" if ceiling else ""), flush=True)
+    if ceiling is not None and ceiling.speedup < CEILING_WORTH_SPECULATING:
+        print(f"cold start: WARNING: speculation can gain at most {ceiling.speedup:.2f}x here, and a compute-bound "
+              f"engine (a CPU, a large batch) loses what the bandit spends exploring depths above 0; "
+              f"drafter.depth=0 rolls out without drafts (docs/tlt.md: what TLT buys on a pretrained model)",
+              flush=True)
     return ColdStart(directory, "made", seconds, figures)
 
 

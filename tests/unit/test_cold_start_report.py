@@ -5,6 +5,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron_tlt.commands import start
 from megatron_tlt.commands.start import ColdStart, obtain_cold_start
 from megatron_tlt.config import load_config
@@ -14,7 +16,8 @@ from megatron_tlt.rl.run.metric_loggers import MetricLoggers
 FIGURES = {"tokens_trained": 100, "train_prompts": 18, "eval_prompts": 6, "epochs": 2, "eval_depth": 2,
            "held_out_top1_agreement_before": 0.25, "held_out_top1_agreement_after": 0.5,
            "held_out_loss_before": 2.0, "held_out_loss_after": 1.0,
-           "held_out_acceptance_length_before": 1.5, "held_out_acceptance_length_after": 2.25}
+           "held_out_acceptance_length_before": 1.5, "held_out_acceptance_length_after": 2.25,
+           "held_out_acceptance_by_position_after": [0.75, 0.5]}
 
 
 def test_the_tiny_defaults_cold_start_comes_from_the_package_then_from_the_cache_and_costs_no_time(tmp_path, capsys):
@@ -26,11 +29,7 @@ def test_the_tiny_defaults_cold_start_comes_from_the_package_then_from_the_cache
     assert capsys.readouterr().out == ""  # no warm-up, nothing to announce
 
 
-def test_a_cold_start_the_run_makes_says_what_it_does_and_why_first_and_what_it_took_after(tmp_path, capsys,
-                                                                                            monkeypatch):
-    overrides = [f"warmup.cache_dir={tmp_path}", "warmup.use_shipped=false"]
-    launched = {}
-
+def _stand_in_warm_up(launched: dict, figures: dict):
     def warm_up(config_name, overrides, *, policy, out_dir, log_dir, announce):
         """Stands in for the launch of the warm-up's ranks (tests/dist/test_rl_trainer.py runs the real one)."""
         launched.update(out_dir=out_dir, settings=load_config(config_name, overrides).drafter.cold_start,
@@ -38,12 +37,20 @@ def test_a_cold_start_the_run_makes_says_what_it_does_and_why_first_and_what_it_
         Path(out_dir).mkdir(parents=True)
         (Path(out_dir) / "model.safetensors").write_bytes(b"")
         time.sleep(0.05)
-        return FIGURES
+        return figures
+    return warm_up
 
-    monkeypatch.setattr(start, "start_drafter_warmup", warm_up)
+
+def test_a_cold_start_the_run_makes_says_what_it_does_and_why_first_and_what_it_took_after(tmp_path, capsys,
+                                                                                            monkeypatch):
+    overrides = [f"warmup.cache_dir={tmp_path}", "warmup.use_shipped=false"]
+    launched = {}
+    monkeypatch.setattr(start, "start_drafter_warmup", _stand_in_warm_up(launched, FIGURES))
     made = obtain_cold_start("tiny", overrides)
     settings = load_config("tiny", overrides).drafter.cold_start
-    assert made.source == "made" and made.figures == FIGURES and made.seconds >= 0.05
+    # the tiny policy's drafter costs 1/40.8 of it a token: (1 + 0.75 + 0.375) / (1 + 2 x 0.0245) at depth 2
+    ceiling = {"speculation_ceiling": pytest.approx(2.026, abs=1e-3), "speculation_ceiling_depth": 2}
+    assert made.source == "made" and made.figures == {**FIGURES, **ceiling} and made.seconds >= 0.05
     assert launched["out_dir"] == str(made.directory) and launched["settings"] == settings
     # outside a run its ranks log beside the cache entry (`tlt train` passes RUN_DIR/logs/cold_start)
     assert launched["log_dir"] == made.directory.with_name(made.directory.name + ".logs")
@@ -52,8 +59,25 @@ def test_a_cold_start_the_run_makes_says_what_it_does_and_why_first_and_what_it_
         f"before RL (its responses to up to {settings.prompts} prompts, then {settings.epochs} epochs of training); "
         f"made once, cached in {made.directory}; logs in {launched['log_dir']}\n")
     assert capsys.readouterr().out == ("cold start: done in 0.0 min; held-out top-1 agreement with the policy 0.250 -> "
-                                       "0.500, acceptance length at depth 2 (teacher-forced) 1.50 -> 2.25\n")
+                                       "0.500, acceptance length at depth 2 (teacher-forced) 1.50 -> 2.25; "
+                                       "speculation's ceiling with this drafter 2.03x at depth 2 (verifying free, a "
+                                       "draft token 2% of a policy token)\n")
     assert obtain_cold_start("tiny", overrides, make=False).source == "cache"  # the next run's
+
+
+def test_a_cold_start_whose_drafter_cannot_pay_says_so(tmp_path, capsys, monkeypatch):
+    weak = {**FIGURES, "held_out_acceptance_by_position_after": [0.05, 0.02]}
+    monkeypatch.setattr(start, "start_drafter_warmup", _stand_in_warm_up({}, weak))
+    made = obtain_cold_start("tiny", [f"warmup.cache_dir={tmp_path}", "warmup.use_shipped=false"])
+    assert made.figures["speculation_ceiling"] == pytest.approx(1.05 / 1.0245, abs=1e-3)
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("cold start: WARNING: speculation can gain at most 1.02x here")
+    assert "drafter.depth=0" in out[-1]
+    # no chain long enough to measure (NaN): no ceiling, no warning, and the run goes on
+    unmeasured = {**FIGURES, "held_out_acceptance_by_position_after": [float("nan"), float("nan")]}
+    monkeypatch.setattr(start, "start_drafter_warmup", _stand_in_warm_up({}, unmeasured))
+    made = obtain_cold_start("tiny", [f"warmup.cache_dir={tmp_path / 'nan'}", "warmup.use_shipped=false"])
+    assert "speculation_ceiling" not in made.figures and "WARNING" not in capsys.readouterr().out
 
 
 def _reporter(run_dir, start_step=0):
