@@ -262,8 +262,9 @@ def test_the_cold_start_is_a_config_section_the_tiny_default_and_a_pretrained_po
     tiny = load_config("tiny").drafter.cold_start
     assert (tiny.prompts, tiny.eval_prompts, tiny.epochs, tiny.lr, tiny.eval_depth) == (4096, 128, 16, 3e-3, 6)
     pretrained = load_config("hf", ["model.hf_dir=/models/mine"]).drafter.cold_start
-    assert (pretrained.prompts, pretrained.eval_prompts, pretrained.epochs, pretrained.lr, pretrained.eval_depth) == (
-        64, 16, 4, 1e-3, 4)
+    assert (pretrained.prompts, pretrained.eval_prompts, pretrained.epochs, pretrained.lr, pretrained.eval_depth,
+            pretrained.max_response_tokens) == (32, 16, 4, 1e-3, 4, 256)
+    assert tiny.max_response_tokens is None  # the rollout's cap
 
 
 @pytest.mark.parametrize("old, message", [
