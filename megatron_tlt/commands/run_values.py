@@ -36,8 +36,7 @@ def decided(config: TLTConfig, *, run_name: str) -> TLTConfig:
                                                            config.parallel.tensor_parallel_size))),
         drafter=dataclasses.replace(d, spot_duty_cycle=spot_duty_cycle(d.spot_duty_cycle),
                                     quality_every=quality_every(d.quality_every),
-                                    cold_start=dataclasses.replace(d.cold_start, max_response_tokens=min(
-                                        d.cold_start.max_response_tokens or config.rollout.max_response_tokens,
-                                        config.rollout.max_response_tokens))),
+                                    cold_start=dataclasses.replace(d.cold_start, max_response_tokens=(
+                                        d.cold_start.response_cap(config.rollout.max_response_tokens)))),
         speculation=dataclasses.replace(s, depths=list(s.arms(d.depth))),
         trainer=dataclasses.replace(t, wandb_name=t.wandb_name or run_name))

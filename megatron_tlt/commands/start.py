@@ -180,11 +180,11 @@ def cold_start_dir(config) -> Path:
     from megatron_tlt.rl.run.artifact_cache import cache_key, cache_root, warmup_recipe
 
     d = config.drafter
-    recipe = {k: v for k, v in dataclasses.asdict(d.cold_start).items() if k != "enabled"}
+    recipe = {k: v for k, v in dataclasses.asdict(d.cold_start).items() if k not in ("enabled", "max_response_tokens")}
     # A cap at or above the rollout's (null: the rollout's, as the run's config.yaml writes it) caps nothing: the
     # key hashes the rollout's cap under sampling, and leaving the field out keeps the keys made before it existed.
-    cap = recipe.pop("max_response_tokens")
-    if cap is not None and cap < config.rollout.max_response_tokens:
+    cap = d.cold_start.response_cap(config.rollout.max_response_tokens)
+    if cap < config.rollout.max_response_tokens:
         recipe["max_response_tokens"] = cap
     data = {k: v for k, v in dataclasses.asdict(config.data).items() if k not in DATA_FIELDS_THE_COLD_START_IGNORES}
     # A held-out file is what the cold start evaluates on (else the dataset's tail, which it then does not train

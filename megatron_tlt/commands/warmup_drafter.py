@@ -113,9 +113,7 @@ class _Session:
             bar = _progress(len(own), f"cold start: {what}{share}", "response", show=self.rank == 0)
             sampling = self.ranks.sampling(n=1, temperature=self.config.rollout.temperature,
                                            seed=seed + self.placement.leader_rank)
-            cap = self.settings.max_response_tokens
-            if cap is not None and cap < sampling.max_tokens:
-                sampling = dataclasses.replace(sampling, max_tokens=cap)
+            sampling = dataclasses.replace(sampling, max_tokens=self.settings.response_cap(sampling.max_tokens))
             result = self.engine.generate([e.prompt_ids for e in own], sampling,
                                           on_finished=lambda _, responses: bar.update(len(responses)))
             bar.close()

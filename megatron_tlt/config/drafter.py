@@ -34,8 +34,13 @@ class ColdStartConfig:
     """Draft depth of the acceptance-length figure."""
     max_response_tokens: int | None = None
     """The longest response the policy writes for it (training and held-out); null, or a value above
-    rollout.max_response_tokens: that cap (the run's config.yaml writes it). A response cut short still teaches the drafter the policy's next tokens, and the few that run to
-    a long cap set the time the cold start's answering takes."""
+    rollout.max_response_tokens: that cap (the run's config.yaml writes it). A response cut short still teaches the
+    drafter the policy's next tokens, and the few that run to a long cap set the time the cold start's answering
+    takes."""
+
+    def response_cap(self, rollout_cap: int) -> int:
+        """The cap the cold start's responses run to, given the rollout's."""
+        return min(self.max_response_tokens or rollout_cap, rollout_cap)
 
     def __post_init__(self) -> None:
         _require_at_least_one("drafter.cold_start", prompts=self.prompts, eval_prompts=self.eval_prompts,
