@@ -291,6 +291,9 @@ def reference(hf_dir: Path, prompts: list[dict], held_out: list[dict], *, sample
             rewards.append(reward_fn(text, row["answer"]))
             if len(shown) < 2:
                 shown.append({"prompt": row["prompt"][0]["content"], "response": text, "reward": rewards[-1]})
+    # GRPO learns only from a prompt whose samples differ in reward: the task is at the model's edge where many do
+    groups = [rewards[i : i + samples] for i in range(0, len(rewards), samples)]
+    groups_mixed = sum(min(group) != max(group) for group in groups)
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=[eos_id])
     held = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids(row)) for row in held_out], greedy)
     correct = [reward_fn(tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True), row["answer"])
@@ -302,8 +305,9 @@ def reference(hf_dir: Path, prompts: list[dict], held_out: list[dict], *, sample
     return {"model": str(hf_dir), "prompts": len(prompts), "samples": samples, "max_tokens": max_tokens,
             "temperature": temperature,
             "lengths": length_stats(lengths, max_tokens), "response_length_mean": statistics.fmean(lengths),
-            "reward_mean": statistics.fmean(rewards), "held_out_greedy_accuracy": statistics.fmean(correct)
-            if correct else math.nan, "held_out_prompts": len(held_out), **tokens, "examples": shown,
+            "reward_mean": statistics.fmean(rewards), "groups_mixed": groups_mixed,
+            "held_out_greedy_accuracy": statistics.fmean(correct) if correct else math.nan,
+            "held_out_prompts": len(held_out), **tokens, "examples": shown,
             "seconds": {"load": load_seconds, "sample": sample_seconds,
                         "transformers": time.perf_counter() - started}}
 
@@ -397,7 +401,8 @@ def _cell(value) -> str:
     return str(value)
 
 
-ROWS = ("length median", "length p90", "length max", "share at cap", "reward", "entropy (transformers)",
+ROWS = ("length median", "length p90", "length max", "share at cap", "reward", "groups with mixed reward",
+        "entropy (transformers)",
         "-log p sampled (transformers)", "-log p sampled (engine)", "logprob diff mean", "logprob diff max",
         "prob error", "engine vs transformers max")
 
@@ -407,6 +412,7 @@ def _reference_column(figures: dict) -> dict:
     lengths = figures["lengths"]
     return {"length median": lengths["median"], "length p90": lengths["p90"], "length max": lengths["max"],
             "share at cap": lengths["share_at_cap"], "reward": figures["reward_mean"],
+            "groups with mixed reward": figures.get("groups_mixed"),
             "entropy (transformers)": figures["entropy"], "-log p sampled (transformers)": figures["sampled_nll"],
             "-log p sampled (engine)": figures.get("engine_sampled_nll"),
             "logprob diff mean": figures.get("logprob_diff_mean"), "logprob diff max": figures.get("logprob_diff_max"),
