@@ -67,8 +67,10 @@ class DrafterConfig:
     buffer_tokens: int = 65536
     """Feature rows kept for drafter training; the oldest whole sequences are dropped first."""
     pack_tokens: int = 1024
-    """Training rows per drafter micro-step (a preempted one stops within one draft step). A sequence with more
-    rows is split into chunks that cannot attend to the earlier ones: keep it above the longest prompt + response."""
+    """Training rows per drafter micro-step at most (a preempted one stops within one draft step). The spot trainer
+    packs fewer, down to 128, where its idle windows are too short for a full pack (``drafter/pack_budget.py``;
+    ``drafter/pack_tokens`` says what it used). A sequence with more rows is split into chunks that cannot attend
+    to the earlier ones: keep it above the longest prompt + response."""
     pack_order: Literal["shuffled", "newest"] = "shuffled"
     """Which buffered sequences a step's micro-steps train on first: ``shuffled`` (a fresh random order over the
     whole buffer each step, different on each rank) or ``newest`` (the newest first, the packs made so far cycled

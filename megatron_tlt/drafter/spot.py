@@ -14,6 +14,10 @@ so a rank is released within about one draft step's pass (``DrafterTrainer.micro
 Where ranks share one memory bus (a CPU), an idle rank's training slows the ranks still generating; a
 duty cycle below 1 makes it rest between micro-steps in proportion to the time each took.
 
+A micro-step that outlasts the window it starts in trains nothing, so with a ``PackBudget`` each rollout's
+packs are sized, before the rank's first micro-step, to the idle windows and training speed this rank has
+measured (``drafter/pack_budget.py``).
+
 A failure inside drafter training never reaches the RL run: it is logged once with its traceback,
 drafter training stays off for the rest of the run, and the rank waits idle as it would without it.
 """
@@ -28,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_tlt.drafter.pack_budget import PackBudget
 from megatron_tlt.timeline.spans import IDLE, TRAINING, RankTimeline
 
 logger = logging.getLogger(__name__)
@@ -53,6 +58,8 @@ class SpotReport:
     """Wall-clock time the rank left the rollout phase (for the preemption latency); None where the drafter
     trained serially, after the update (``drafter.schedule: serial``)."""
     failed: bool = False
+    pack_tokens: int | None = None
+    """The rows its drafter packs were sized to in this phase (None: not sized, ``drafter.pack_tokens``)."""
 
 
 def _nvml_handle(pynvml, cuda_index: int):
@@ -96,16 +103,22 @@ class SpotTrainer:
 
     ``micro_step(should_stop)`` trains on one pack and returns the tokens it processed, or 0 when there is
     nothing to train on or it dropped the step because ``should_stop()`` said the rollout is over; it
-    must not touch the policy, the global RNGs or any process group.
+    must not touch the policy, the global RNGs or any process group. With ``pack_budget``,
+    ``set_pack_tokens(rows)`` is called once per rollout, before its first micro-step, with the rows the
+    micro-steps' packs should hold from then on.
     """
 
     def __init__(self, micro_step: Callable[[Callable[[], bool]], int] | None, probe: DeviceIdleProbe,
-                 may_train: Callable[[], bool] = lambda: True, duty_cycle: float = 1.0):
+                 may_train: Callable[[], bool] = lambda: True, duty_cycle: float = 1.0,
+                 pack_budget: PackBudget | None = None, set_pack_tokens: Callable[[int], None] | None = None):
+        if (pack_budget is None) != (set_pack_tokens is None):
+            raise ValueError("a pack budget needs set_pack_tokens to apply it, and set_pack_tokens a budget")
         self.set_duty_cycle(duty_cycle)
         self.micro_step = micro_step
         self.probe = probe
         self.may_train = may_train
         self.enabled = micro_step is not None
+        self.pack_budget, self.set_pack_tokens = pack_budget, set_pack_tokens
 
     @property
     def duty_cycle(self) -> float:
@@ -123,8 +136,11 @@ class SpotTrainer:
     def wait_for_rollout_end(self, timeline: RankTimeline, group=None) -> SpotReport:
         """Called when this rank's share is done; returns once every rank of ``group`` is done."""
         report = SpotReport()
+        if self.pack_budget is not None and self.enabled:
+            report.pack_tokens = self.pack_budget.tokens(self.duty_cycle)
+            self.set_pack_tokens(report.pack_tokens)
         barrier = dist.barrier(group=group, async_op=True)
-        idle_since = time.time()
+        idle_since = waiting_since = time.time()
         while not barrier.is_completed() and time.time() - idle_since < FIRST_STEP_GRACE_SECONDS:
             time.sleep(POLL_SECONDS)
         rest_until = 0.0
@@ -143,11 +159,17 @@ class SpotTrainer:
                 report.training_seconds += end - start
                 idle_since = end
                 rest_until = end + (end - start) * self.rest_per_training_second
+                if report.pack_tokens is not None:
+                    self.pack_budget.record_finished(tokens, end - start)
+            elif report.pack_tokens is not None and barrier.is_completed():  # dropped: the rollout ended under it
+                self.pack_budget.record_dropped(report.pack_tokens, end - start)
             else:  # nothing to train on this step: wait like an idle rank
                 time.sleep(POLL_SECONDS)
         barrier.wait()
         report.released_at = time.time()
         self._close_idle(timeline, report, idle_since, report.released_at)
+        if report.pack_tokens is not None and report.released_at - waiting_since > FIRST_STEP_GRACE_SECONDS:
+            self.pack_budget.record_window(report.released_at - waiting_since)  # not the slowest rank's barrier
         report.failed = self.failed
         return report
 

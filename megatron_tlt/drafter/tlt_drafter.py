@@ -36,6 +36,7 @@ from megatron_tlt.drafter import checkpoint_paths, checkpointer, store
 from megatron_tlt.drafter.device_defaults import quality_every, spot_duty_cycle
 from megatron_tlt.drafter.model import EagleDrafter
 from megatron_tlt.drafter.neighbour_slowdown import DutyCycleController, NeighbourSlowdown
+from megatron_tlt.drafter.pack_budget import PackBudget
 from megatron_tlt.drafter.precision import resolve_precision, start_up_line
 from megatron_tlt.drafter.serving import MeasureSettings, QualityReport, ServingDrafter
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotReport, SpotTrainer
@@ -91,10 +92,12 @@ class TLTDrafter:
         if d.spot_training:
             self.checkpointer = checkpointer.AsyncDrafterCheckpointer(run_dir, arch, rank=rank, world=world,
                                                                       keep=config.trainer.keep_checkpoints)
-            # no training while a checkpoint write still reads the drafter (it is not copied)
+            # No training while a checkpoint write still reads the drafter (it is not copied). Packs are sized to the
+            # idle windows (drafter/pack_budget.py): a micro-step that outlasts its window trains nothing.
             self.spot = SpotTrainer(self.trainer.micro_step, DeviceIdleProbe(compute_device().index),
                                     may_train=lambda: not self.checkpointer.writing(),
-                                    duty_cycle=spot_duty_cycle(d.spot_duty_cycle))
+                                    duty_cycle=spot_duty_cycle(d.spot_duty_cycle),
+                                    pack_budget=PackBudget(d.pack_tokens), set_pack_tokens=self.trainer.set_pack_tokens)
         self.duty = None
         if self.spot is not None and d.schedule == "idle" and d.spot_cost_bound is not None:
             self.duty = DutyCycleController(self.spot.duty_cycle, bound=d.spot_cost_bound)
@@ -298,6 +301,8 @@ def summary_fields(reports: list[TailReport | None], timelines: list[RankTimelin
         "drafter/training_seconds": [r.spot.training_seconds for r in reports],
         "drafter/micro_steps": [r.spot.micro_steps for r in reports],
         "drafter/dropped_micro_steps": [s["dropped_steps"] for s in stats],
+        # the rows each rank's packs were sized to for its idle windows (drafter/pack_budget.py)
+        "drafter/pack_tokens": [r.spot.pack_tokens for r in reports],
         "drafter/buffer_tokens": [s["buffer_tokens"] for s in stats],  # every pipeline stage's ranks have features
         # from the slowest rank finishing its share to this rank leaving rollout: the preemption latency
         # (None where it trained serially, after the update: nothing to release then)

@@ -67,6 +67,10 @@ class DrafterTrainer:
         self._train_heads: tuple[torch.Tensor, torch.Tensor] | None = None
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._pack_order = torch.Generator().manual_seed(seed * 1000 + rank)  # ranks that train cover other packs
+        self.pack_tokens = settings.pack_tokens
+        """Rows per micro-step pack: ``drafter.pack_tokens``, or fewer where the spot trainer sizes them to its
+        idle windows (``set_pack_tokens``)."""
+        self._ordered: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pack_stream: Iterator[DrafterPack] | None = None
         self._packs: list[DrafterPack] = []
         self._cycle = 0
@@ -129,10 +133,23 @@ class DrafterTrainer:
             self._train_heads = (self._embedding_vh, self._lm_head_vh)
         sequences = self.buffer.sequences()
         if self.settings.pack_order == "newest":  # the freshest policy's features first
-            ordered = list(reversed(sequences))
+            self._ordered = list(reversed(sequences))
         else:  # across the whole buffer: a group's samples are near copies of each other
-            ordered = [sequences[i] for i in torch.randperm(len(sequences), generator=self._pack_order).tolist()]
-        self._pack_stream = iter_packs(ordered, self.settings.pack_tokens, open_packs=_OPEN_PACKS)
+            self._ordered = [sequences[i] for i in torch.randperm(len(sequences), generator=self._pack_order).tolist()]
+        self._restart_packs()
+
+    def set_pack_tokens(self, rows: int) -> None:
+        """Make the packs from now on hold up to ``rows`` rows. The buffer is packed again from its start, in the
+        same order (the spot trainer calls this before a rollout's first micro-step, when this step's packs are not
+        yet consumed); a dropped pack waiting to be retried is packed again with the rest."""
+        if rows < 1:
+            raise ValueError(f"pack rows must be >= 1, got {rows}")
+        if rows != self.pack_tokens:
+            self.pack_tokens = rows
+            self._restart_packs()
+
+    def _restart_packs(self) -> None:
+        self._pack_stream = iter_packs(self._ordered, self.pack_tokens, open_packs=_OPEN_PACKS)
         self._packs, self._cycle, self._retry = [], 0, None
 
     def _next_pack(self) -> DrafterPack | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_tlt.drafter import spot
+from megatron_tlt.drafter.pack_budget import PackBudget
 from megatron_tlt.drafter.spot import DeviceIdleProbe, SpotTrainer
 from megatron_tlt.launcher import run_on_ranks
 from megatron_tlt.timeline.spans import IDLE, TRAINING, RankTimeline
@@ -141,6 +142,55 @@ def test_a_duty_cycle_outside_zero_to_one_is_refused_and_the_old_one_kept(bad):
     assert trainer.duty_cycle == 0.25 and trainer.rest_per_training_second == pytest.approx(3.0)
     trainer.set_duty_cycle(1.0)
     assert trainer.duty_cycle == 1.0 and trainer.rest_per_training_second == 0.0
+
+
+SECONDS_PER_ROW = 0.004  # a real model's pack on 2 CPU cores: 2,048 rows take 8 s
+
+
+def test_packs_too_long_for_the_idle_windows_are_sized_down_and_train_from_the_next_rollout(monkeypatch):
+    # Windows of 6 s: a 2,048-row pack (8.2 s) is dropped in every one of them unless the budget sizes it down.
+    clock = Clock(slowest_done=0.0)
+    monkeypatch.setattr(spot, "time", clock)
+    monkeypatch.setattr(spot, "dist", clock)
+    rows = {"pack": 2048}
+
+    def micro_step(should_stop) -> int:  # forward then backward, each half the pack's time, then a preemption point
+        for _ in range(2):
+            clock.sleep(SECONDS_PER_ROW * rows["pack"] / 2)
+            if should_stop():
+                return 0
+        return rows["pack"]
+
+    def set_pack_tokens(n: int) -> None:
+        rows["pack"] = n
+
+    trainer = SpotTrainer(micro_step, DeviceIdleProbe(None), duty_cycle=0.25, pack_budget=PackBudget(2048),
+                          set_pack_tokens=set_pack_tokens)
+    reports = []
+    for _ in range(3):
+        clock.slowest_done = clock.now + 6.0
+        reports.append(trainer.wait_for_rollout_end(RankTimeline(0)))
+    first, second, third = reports
+    assert first.pack_tokens == 2048 and first.micro_steps == 0  # nothing measured yet: full packs, all dropped
+    # the dropped step bounds a row at >= 6 s / 2,048; 0.5 x 0.25 x 6 s at that speed is 256 rows
+    assert second.pack_tokens == 256 and second.micro_steps >= 2 and second.tokens == 256 * second.micro_steps
+    # measured now (4 ms a row): 0.75 s is 187 rows, rounded down to 128; three steps train the duty cycle's share
+    assert third.pack_tokens == 128 and third.micro_steps == 3
+    assert third.training_seconds / 6.0 == pytest.approx(0.25, abs=0.01)
+
+
+def test_the_slowest_ranks_wait_is_not_an_idle_window(monkeypatch):
+    clock = Clock(slowest_done=spot.FIRST_STEP_GRACE_SECONDS / 2)
+    monkeypatch.setattr(spot, "time", clock)
+    monkeypatch.setattr(spot, "dist", clock)
+    budget = PackBudget(2048)
+    trainer = SpotTrainer(lambda should_stop: 0, DeviceIdleProbe(None), pack_budget=budget,
+                          set_pack_tokens=lambda n: None)
+    trainer.wait_for_rollout_end(RankTimeline(0))
+    budget.record_finished(2048, 0.001)
+    assert budget.tokens(1.0) == 2048  # no window recorded: still the full pack
+    with pytest.raises(ValueError, match="a pack budget needs set_pack_tokens"):
+        SpotTrainer(None, DeviceIdleProbe(None), pack_budget=budget)
 
 
 # ---------------------------------------------------------------------------------------------- real ranks
