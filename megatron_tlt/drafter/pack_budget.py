@@ -3,7 +3,7 @@
 A micro-step still in flight when the rollout ends is dropped, so one that outlasts the window it starts in
 trains nothing, however often it is retried. On a GPU a pack of ``drafter.pack_tokens`` takes milliseconds
 and every window fits many; on 2 CPU cores a 2,048-row pack of a 135M policy (49k-token LM head) took 11 s,
-longer than most of its rollout's idle windows (1-15 s): 1 micro-step finished in 12 steps and 11 were
+longer than most of its rollout's idle windows (1-15 s): 1 micro-step finished in 12 steps and 10 were
 dropped (bench/RESULTS.md, 2026-12-07). So each rank keeps what it measured:
 
   * its idle windows: from its share being done to the slowest rank being done (only those it waited in:
