@@ -98,6 +98,20 @@ class DeviceIdleProbe:
         return self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu <= GPU_BUSY_PERCENT
 
 
+class _RolloutEnd:
+    """``barrier.is_completed`` (the end-of-rollout barrier's) that notes when this rank first saw it complete:
+    where its idle window ended, to within a preemption point (``released_at`` also holds the rest of a step
+    that was in flight)."""
+
+    def __init__(self, barrier):
+        self.barrier, self.seen_at = barrier, None
+
+    def __call__(self) -> bool:
+        if self.seen_at is None and self.barrier.is_completed():
+            self.seen_at = time.time()
+        return self.seen_at is not None
+
+
 class SpotTrainer:
     """Runs drafter micro-steps on this rank while it waits for the rest of the rollout.
 
@@ -119,6 +133,7 @@ class SpotTrainer:
         self.may_train = may_train
         self.enabled = micro_step is not None
         self.pack_budget, self.set_pack_tokens = pack_budget, set_pack_tokens
+        self._said_sized = False
 
     @property
     def duty_cycle(self) -> float:
@@ -137,19 +152,18 @@ class SpotTrainer:
         """Called when this rank's share is done; returns once every rank of ``group`` is done."""
         report = SpotReport()
         if self.pack_budget is not None and self.enabled:
-            report.pack_tokens = self.pack_budget.tokens(self.duty_cycle)
-            self.set_pack_tokens(report.pack_tokens)
-        barrier = dist.barrier(group=group, async_op=True)
+            report.pack_tokens = self._size_packs()
+        rollout_over = _RolloutEnd(dist.barrier(group=group, async_op=True))
         idle_since = waiting_since = time.time()
-        while not barrier.is_completed() and time.time() - idle_since < FIRST_STEP_GRACE_SECONDS:
+        while not rollout_over() and time.time() - idle_since < FIRST_STEP_GRACE_SECONDS:
             time.sleep(POLL_SECONDS)
         rest_until = 0.0
-        while not barrier.is_completed():
+        while not rollout_over():
             if time.time() < rest_until or not (self.enabled and self.may_train() and self.probe.device_quiet()):
                 time.sleep(POLL_SECONDS)
                 continue
             start = time.time()
-            tokens = self.train_one(barrier.is_completed)
+            tokens = self.train_one(rollout_over)
             end = time.time()
             if tokens > 0:
                 self._close_idle(timeline, report, idle_since, start)
@@ -161,15 +175,15 @@ class SpotTrainer:
                 rest_until = end + (end - start) * self.rest_per_training_second
                 if report.pack_tokens is not None:
                     self.pack_budget.record_finished(tokens, end - start)
-            elif report.pack_tokens is not None and barrier.is_completed():  # dropped: the rollout ended under it
+            elif report.pack_tokens is not None and rollout_over():  # dropped: the rollout ended under it
                 self.pack_budget.record_dropped(report.pack_tokens, end - start)
             else:  # nothing to train on this step: wait like an idle rank
                 time.sleep(POLL_SECONDS)
-        barrier.wait()
+        rollout_over.barrier.wait()
         report.released_at = time.time()
         self._close_idle(timeline, report, idle_since, report.released_at)
-        if report.pack_tokens is not None and report.released_at - waiting_since > FIRST_STEP_GRACE_SECONDS:
-            self.pack_budget.record_window(report.released_at - waiting_since)  # not the slowest rank's barrier
+        if report.pack_tokens is not None:  # the window ends where the rollout ended, not the dropped step's overrun
+            self.pack_budget.record_window(rollout_over.seen_at - waiting_since)
         report.failed = self.failed
         return report
 
@@ -189,6 +203,25 @@ class SpotTrainer:
             report.training_seconds += end - start
         report.failed = self.failed
         return report
+
+    def _size_packs(self) -> int | None:
+        """Size this rollout's packs from the budget (said once, the first time they are cut below the most);
+        None where that failed (logged, then training stays off, as a failed micro-step leaves it)."""
+        budget = self.pack_budget
+        rows = budget.tokens(self.duty_cycle)
+        if rows < budget.max_tokens and not self._said_sized:
+            logger.info("drafter packs sized to %d rows (drafter.pack_tokens %d) to fit this rank's idle windows "
+                        "(median %.2f s, %.2f ms a row); longer sequences are split", rows, budget.max_tokens,
+                        budget.median_window_seconds, 1000 * budget.seconds_per_token)
+            self._said_sized = True
+        try:
+            self.set_pack_tokens(rows)
+        except Exception:
+            logger.exception("sizing the drafter's packs failed on this rank; drafter training stays off for the "
+                             "rest of the run (the RL run itself is not affected)")
+            self.enabled = False
+            return None
+        return rows
 
     @property
     def failed(self) -> bool:

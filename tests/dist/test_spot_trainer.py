@@ -144,7 +144,8 @@ def test_a_duty_cycle_outside_zero_to_one_is_refused_and_the_old_one_kept(bad):
     assert trainer.duty_cycle == 1.0 and trainer.rest_per_training_second == 0.0
 
 
-SECONDS_PER_ROW = 0.004  # a real model's pack on 2 CPU cores: 2,048 rows take 8 s
+SECONDS_PER_ROW = 0.004  # a real model's pack on 2 CPU cores: 2,048 rows take 8.2 s
+POINTS_PER_STEP = 16  # preemption points, evenly spread over a micro-step
 
 
 def test_packs_too_long_for_the_idle_windows_are_sized_down_and_train_from_the_next_rollout(monkeypatch):
@@ -154,9 +155,9 @@ def test_packs_too_long_for_the_idle_windows_are_sized_down_and_train_from_the_n
     monkeypatch.setattr(spot, "dist", clock)
     rows = {"pack": 2048}
 
-    def micro_step(should_stop) -> int:  # forward then backward, each half the pack's time, then a preemption point
-        for _ in range(2):
-            clock.sleep(SECONDS_PER_ROW * rows["pack"] / 2)
+    def micro_step(should_stop) -> int:
+        for _ in range(POINTS_PER_STEP):
+            clock.sleep(SECONDS_PER_ROW * rows["pack"] / POINTS_PER_STEP)
             if should_stop():
                 return 0
         return rows["pack"]
@@ -164,7 +165,8 @@ def test_packs_too_long_for_the_idle_windows_are_sized_down_and_train_from_the_n
     def set_pack_tokens(n: int) -> None:
         rows["pack"] = n
 
-    trainer = SpotTrainer(micro_step, DeviceIdleProbe(None), duty_cycle=0.25, pack_budget=PackBudget(2048),
+    budget = PackBudget(2048)
+    trainer = SpotTrainer(micro_step, DeviceIdleProbe(None), duty_cycle=0.25, pack_budget=budget,
                           set_pack_tokens=set_pack_tokens)
     reports = []
     for _ in range(3):
@@ -172,11 +174,13 @@ def test_packs_too_long_for_the_idle_windows_are_sized_down_and_train_from_the_n
         reports.append(trainer.wait_for_rollout_end(RankTimeline(0)))
     first, second, third = reports
     assert first.pack_tokens == 2048 and first.micro_steps == 0  # nothing measured yet: full packs, all dropped
-    # the dropped step bounds a row at >= 6 s / 2,048; 0.5 x 0.25 x 6 s at that speed is 256 rows
-    assert second.pack_tokens == 256 and second.micro_steps >= 2 and second.tokens == 256 * second.micro_steps
-    # measured now (4 ms a row): 0.75 s is 187 rows, rounded down to 128; three steps train the duty cycle's share
-    assert third.pack_tokens == 128 and third.micro_steps == 3
-    assert third.training_seconds / 6.0 == pytest.approx(0.25, abs=0.01)
+    # the window is the rollout's 6 s to within a preemption point (0.51 s here), not the dropped step's 8.2 s
+    assert first.released_at - 6.0 < 0.52 and 6.0 <= budget.median_window_seconds < 6.0 + 0.52
+    # the step dropped after 6.14 s bounds a row at >= 6.14 s / 2,048 = 3.0 ms; 0.5 x 0.25 x 6.15 s at that speed
+    # is 256 rows; finished steps then measure 4 ms a row: 0.77 s is 192 rows, rounded down to 128
+    assert second.pack_tokens == 256 and second.micro_steps == 2 and second.tokens == 2 * 256
+    assert third.pack_tokens == 128 and third.micro_steps == 3 and third.tokens == 3 * 128
+    assert third.training_seconds / 6.0 == pytest.approx(0.25, abs=0.01)  # the duty cycle's share of the window
 
 
 def test_the_slowest_ranks_wait_is_not_an_idle_window(monkeypatch):
@@ -187,10 +191,25 @@ def test_the_slowest_ranks_wait_is_not_an_idle_window(monkeypatch):
     trainer = SpotTrainer(lambda should_stop: 0, DeviceIdleProbe(None), pack_budget=budget,
                           set_pack_tokens=lambda n: None)
     trainer.wait_for_rollout_end(RankTimeline(0))
-    budget.record_finished(2048, 0.001)
-    assert budget.tokens(1.0) == 2048  # no window recorded: still the full pack
+    assert budget.median_window_seconds is None
     with pytest.raises(ValueError, match="a pack budget needs set_pack_tokens"):
         SpotTrainer(None, DeviceIdleProbe(None), pack_budget=budget)
+
+
+def test_a_failure_sizing_the_packs_turns_drafter_training_off_and_the_rank_waits_idle(monkeypatch, caplog):
+    clock = Clock(slowest_done=1.0)
+    monkeypatch.setattr(spot, "time", clock)
+    monkeypatch.setattr(spot, "dist", clock)
+    calls = []
+
+    def set_pack_tokens(n: int) -> None:
+        raise RuntimeError("injected")
+
+    trainer = SpotTrainer(lambda should_stop: calls.append(None) or 1, DeviceIdleProbe(None),
+                          pack_budget=PackBudget(2048), set_pack_tokens=set_pack_tokens)
+    report = trainer.wait_for_rollout_end(RankTimeline(0))
+    assert report.failed and report.micro_steps == 0 and calls == [] and report.released_at == pytest.approx(1.0)
+    assert "sizing the drafter's packs failed" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------- real ranks

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_tlt.config import DrafterConfig
-from megatron_tlt.drafter.pack_budget import MIN_PACK_TOKENS, PackBudget
+from megatron_tlt.drafter.pack_budget import MIN_PACK_TOKENS, MIN_WINDOW_SECONDS, PackBudget
 from megatron_tlt.drafter.trainer import DrafterTrainer
 from megatron_tlt.formats.architecture import architecture_from_dict
 from tiny_models import TINY_LLAMA
@@ -56,16 +56,29 @@ def test_sizes_are_powers_of_two_within_the_bounds():
         PackBudget(0)
 
 
-def test_the_speed_is_the_mean_over_the_last_finished_steps_and_a_finished_step_overrides_dropped_bounds():
+def test_the_speed_is_the_mean_of_the_finished_steps_or_a_longer_bound_from_steps_dropped_since():
     budget = PackBudget(2048)
     budget.record_dropped(2048, 2.0)
     budget.record_dropped(1024, 4.0)
     assert budget.seconds_per_token == pytest.approx(4.0 / 1024)  # the tighter bound
     budget.record_finished(100, 0.1)
     budget.record_finished(300, 0.5)
-    assert budget.seconds_per_token == pytest.approx(0.6 / 400)  # row-weighted: a short last pack counts less
-    budget.record_dropped(128, 10.0)
+    assert budget.seconds_per_token == pytest.approx(0.6 / 400)  # row-weighted; the bounds before it are done with
+    budget.record_dropped(128, 0.01)  # started just before its window ended: a weak bound, outweighed
     assert budget.seconds_per_token == pytest.approx(0.6 / 400)
+    budget.record_dropped(128, 10.0)  # training slowed: a whole window without finishing 128 rows
+    assert budget.seconds_per_token == pytest.approx(10.0 / 128)
+    budget.record_window(8.0)
+    assert budget.tokens(0.25) == MIN_PACK_TOKENS  # the packs shrink again instead of dropping forever
+
+
+def test_a_wait_too_short_for_any_micro_step_is_not_a_window():
+    budget = PackBudget(2048)
+    budget.record_finished(2048, 1.0)
+    budget.record_window(MIN_WINDOW_SECONDS / 2)  # the slowest rank's barrier, on a loaded machine
+    assert budget.median_window_seconds is None and budget.tokens(1.0) == 2048
+    budget.record_window(MIN_WINDOW_SECONDS)
+    assert budget.median_window_seconds == MIN_WINDOW_SECONDS
 
 
 def _trainer(pack_tokens: int) -> tuple[DrafterTrainer, int]:
