@@ -217,9 +217,7 @@ class SpotTrainer:
         try:
             self.set_pack_tokens(rows)
         except Exception:
-            logger.exception("sizing the drafter's packs failed on this rank; drafter training stays off for the "
-                             "rest of the run (the RL run itself is not affected)")
-            self.enabled = False
+            self._turn_off_after("sizing the drafter's packs")
             return None
         return rows
 
@@ -233,10 +231,14 @@ class SpotTrainer:
         try:
             return int(self.micro_step(should_stop))
         except Exception:
-            logger.exception("drafter training failed on this rank; it stays off for the rest of the run "
-                             "(the RL run itself is not affected)")
-            self.enabled = False
+            self._turn_off_after("drafter training")
             return 0
+
+    def _turn_off_after(self, what: str) -> None:
+        """Inside an ``except``: log the failure once with its traceback and keep drafter training off from now on."""
+        logger.exception("%s failed on this rank; drafter training stays off for the rest of the run (the RL run "
+                         "itself is not affected)", what)
+        self.enabled = False
 
     @staticmethod
     def _close_idle(timeline: RankTimeline, report: SpotReport, start: float, end: float) -> None:

@@ -48,13 +48,19 @@ class Clock:
         return Work()
 
 
+def _install_clock(monkeypatch, slowest_done: float) -> Clock:
+    """An exact clock in place of ``time`` and ``torch.distributed`` in drafter/spot.py."""
+    clock = Clock(slowest_done)
+    monkeypatch.setattr(spot, "time", clock)
+    monkeypatch.setattr(spot, "dist", clock)
+    return clock
+
+
 def _on_the_clock(monkeypatch, slowest_done: float, duty_cycle: float = 1.0, fail_on_call: int | None = None,
                   changed_duty_cycle: float | None = None):
     """One rank's wait for the end of the rollout on the exact clock; returns (report, timeline, the micro-steps
     as (start, end, tokens)). ``changed_duty_cycle``: set on the trainer after it is built, before the wait."""
-    clock = Clock(slowest_done)
-    monkeypatch.setattr(spot, "time", clock)
-    monkeypatch.setattr(spot, "dist", clock)
+    clock = _install_clock(monkeypatch, slowest_done)
     steps = []
 
     def micro_step(should_stop) -> int:  # a drafter pack: forward, backward, each a preemption point
@@ -150,9 +156,7 @@ POINTS_PER_STEP = 16  # preemption points, evenly spread over a micro-step
 
 def test_packs_too_long_for_the_idle_windows_are_sized_down_and_train_from_the_next_rollout(monkeypatch):
     # Windows of 6 s: a 2,048-row pack (8.2 s) is dropped in every one of them unless the budget sizes it down.
-    clock = Clock(slowest_done=0.0)
-    monkeypatch.setattr(spot, "time", clock)
-    monkeypatch.setattr(spot, "dist", clock)
+    clock = _install_clock(monkeypatch, 0.0)
     rows = {"pack": 2048}
 
     def micro_step(should_stop) -> int:
@@ -184,9 +188,7 @@ def test_packs_too_long_for_the_idle_windows_are_sized_down_and_train_from_the_n
 
 
 def test_the_slowest_ranks_wait_is_not_an_idle_window(monkeypatch):
-    clock = Clock(slowest_done=spot.FIRST_STEP_GRACE_SECONDS / 2)
-    monkeypatch.setattr(spot, "time", clock)
-    monkeypatch.setattr(spot, "dist", clock)
+    _install_clock(monkeypatch, spot.FIRST_STEP_GRACE_SECONDS / 2)
     budget = PackBudget(2048)
     trainer = SpotTrainer(lambda should_stop: 0, DeviceIdleProbe(None), pack_budget=budget,
                           set_pack_tokens=lambda n: None)
@@ -197,9 +199,7 @@ def test_the_slowest_ranks_wait_is_not_an_idle_window(monkeypatch):
 
 
 def test_a_failure_sizing_the_packs_turns_drafter_training_off_and_the_rank_waits_idle(monkeypatch, caplog):
-    clock = Clock(slowest_done=1.0)
-    monkeypatch.setattr(spot, "time", clock)
-    monkeypatch.setattr(spot, "dist", clock)
+    _install_clock(monkeypatch, 1.0)
     calls = []
 
     def set_pack_tokens(n: int) -> None:
