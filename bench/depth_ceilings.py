@@ -53,8 +53,11 @@ class StepCost:
     @classmethod
     def fit(cls, steps: Iterable[tuple[int, int, float]], bucket_bounds: Sequence[int]) -> StepCost:
         """From (batch, depth, seconds) of steps run at pinned depths; every bucket needs steps at two depths
-        or more, since the line's slope is what the choice of depth weighs."""
-        bounds = tuple(bucket_bounds)
+        or more, since the line's slope is what the choice of depth weighs. Bounds at or above the widest batch
+        measured are dropped: no step lies above them, and the last bucket measured runs to the top."""
+        steps = list(steps)
+        widest = max((batch for batch, _, _ in steps), default=0)
+        bounds = tuple(b for b in bucket_bounds if b < widest)
         by_cell: dict[tuple[int, int], list[float]] = defaultdict(list)
         for batch, depth, seconds in steps:
             by_cell[(_bucket_of(bounds, batch), depth)].append(seconds)

@@ -5,6 +5,16 @@
     python bench/depth_headroom.py -- rollout.temperature=0.7   # config overrides after --
     python bench/depth_headroom.py --save-trace trace.json      # keep the trace and the measured step costs
     python bench/depth_headroom.py --trace trace.json --step-costs costs.json   # price it with another machine's
+    python bench/depth_headroom.py --trace trace.json --bucket-bounds 1,4,16        # or with other buckets
+
+On a pretrained model (``model.hf_dir`` picks ``launch/configs/hf.yaml``, as ``tlt train`` does; the real-model
+bench makes SmolLM2-135M-Instruct's directory and word problems: ``bench/real_model.py``):
+
+    python bench/depth_headroom.py --depths 0,1,2,4 --prompts 4 --rounds 2 --save-trace trace.json -- \
+        model.hf_dir=DIR data.path=P.jsonl data.reward=exact_match rollout.max_response_tokens=384
+
+(Without ``data.held_out_path`` the rollouts take the prompt file's last prompts, which the cold start keeps for its
+own evaluation.)
 
 One process on the core and thread of one `tlt train` rank, as `tlt bench rollout` runs. One speculating engine
 with the config's cold-start drafter samples new held-out prompts each round at the RL temperature, pinned at each
@@ -33,7 +43,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-CONFIG = "tiny"
+CONFIG = None  # --config, else tiny (hf where the overrides set model.hf_dir)
 
 
 def _measure(args: argparse.Namespace) -> dict:
@@ -64,7 +74,8 @@ def _measure(args: argparse.Namespace) -> dict:
         engine = session.open_engine(Path(workdir) / "spec", speculative=speculation, drafter=drafter)
         try:
             session.sync(engine, drafter)
-            rollouts = prompt_sets([e.prompt_ids for e in session.task.held_out], args.prompts, rotate=True)
+            rollouts = prompt_sets([e.prompt_ids for e in _prompt_pool(session.task, args)], args.prompts,
+                                   rotate=True)
             sampling = session.sampling(n=config.rollout.samples_per_prompt, temperature=config.rollout.temperature,
                                         seed=None)
             for round_index in range(-1, args.rounds):  # round -1: untimed warm-up
@@ -85,6 +96,16 @@ def _measure(args: argparse.Namespace) -> dict:
             "timed_steps": timed, "rollouts": traces}
 
 
+def _prompt_pool(task, args: argparse.Namespace) -> list:
+    """The held-out prompts; without a held-out file (``data.path`` alone), the training file's last ones, which
+    the cold start holds out as its own evaluation and does not train on."""
+    if task.held_out:
+        return task.held_out
+    needed = args.prompts * (args.rounds + 1)
+    print(f"no held-out prompts (data.held_out_path): the training file's last {needed}", flush=True)
+    return task.dataset.examples[-needed:]
+
+
 def _step_costs_from(path: str, widest_batch: int) -> list:
     """(batch, depth, seconds) rows of ``bench/gpu_step_cost.py --out``, up to the trace's widest batch."""
     record = json.loads(Path(path).read_text())
@@ -94,6 +115,8 @@ def _step_costs_from(path: str, widest_batch: int) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None,
+                        help="config name under launch/configs or a YAML path (default: tiny; hf with model.hf_dir)")
     parser.add_argument("--depths", default="0,4,8,12,16",
                         help="pinned depths that measure the step cost; the deepest also traces acceptance")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout (default: 8, a rank's share)")
@@ -102,11 +125,20 @@ def main() -> None:
     parser.add_argument("--trace", metavar="PATH", help="read a saved trace instead of running rollouts")
     parser.add_argument("--step-costs", metavar="PATH",
                         help="price the trace with these step costs (bench/gpu_step_cost.py --out) instead")
+    parser.add_argument("--bucket-bounds", metavar="B1,B2,...",
+                        help="price the work with these batch-size buckets instead of the config's "
+                             "(speculation.bucket_bounds): a saved trace priced with other bounds")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     args = parser.parse_args()
     args.depths = sorted({int(d) for d in args.depths.split(",")})
     if len(args.depths) < 2 or args.depths[0] < 0 or args.rounds < 1 or args.prompts < 1:
         parser.error("--depths needs two or more depths >= 0; --rounds and --prompts must be >= 1")
+    global CONFIG
+    from megatron_tlt.config.loading import config_name_for
+
+    CONFIG, chosen = config_name_for(args.config, args.overrides)
+    if chosen and not args.trace:
+        print(chosen, flush=True)
 
     from megatron_tlt.launcher import run_like_rank_zero_of
 
@@ -122,11 +154,13 @@ def main() -> None:
         if args.save_trace:
             Path(args.save_trace).write_text(json.dumps(record))
     deepest, bounds = record["depth"], record["bucket_bounds"]
+    if args.bucket_bounds:
+        bounds = sorted({int(b) for b in args.bucket_bounds.split(",")})
     widest = max(len(step) for steps in record["rollouts"] for step in steps)
     rows = _step_costs_from(args.step_costs, widest) if args.step_costs else record["timed_steps"]
     cost = StepCost.fit(rows, bounds)
     ceilings = headroom(record["rollouts"], deepest, cost)
-    labels = BucketedEpsilonGreedy(SpeculationConfig(bucket_bounds=bounds), max_depth=deepest)
+    labels = BucketedEpsilonGreedy(SpeculationConfig(bucket_bounds=list(cost.bucket_bounds)), max_depth=deepest)
     best = ceilings.best_fixed_depth
     print(f"\n{len(record['rollouts'])} traced rollouts ({ceilings.steps} steps); acceptance length at depth "
           f"{deepest}: {statistics.fmean(record['acceptance_lengths']):.2f}")

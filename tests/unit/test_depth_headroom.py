@@ -27,6 +27,12 @@ def test_a_bucket_measured_at_one_depth_has_no_slope_to_weigh():
         StepCost.fit([(1, 0, 1.0), (1, 4, 1.5), (3, 4, 2.0)], BOUNDS)
 
 
+def test_buckets_above_the_widest_batch_measured_are_dropped_and_the_last_one_runs_to_the_top():
+    cost = StepCost.fit([(1, 0, 1.0), (1, 2, 1.2), (3, 0, 2.0), (3, 2, 3.0)], (1, 4, 8))
+    assert cost.bucket_bounds == (1,)
+    assert cost.seconds(20, 2) == pytest.approx(3.0, rel=1e-6)  # batch 20 falls in the 2+ bucket measured at 3
+
+
 def test_where_the_best_depth_differs_by_batch_size_the_per_bucket_choice_beats_every_fixed_depth():
     # batch 1: the request accepts both drafts; batch 2: neither request accepts any
     trace = [[[("a", 2)], [("b", 0), ("c", 0)]]]
