@@ -13,8 +13,8 @@ bench makes SmolLM2-135M-Instruct's directory and word problems: ``bench/real_mo
     python bench/depth_headroom.py --depths 0,1,2,4 --prompts 4 --rounds 2 --save-trace trace.json -- \
         model.hf_dir=DIR data.path=P.jsonl data.reward=exact_match rollout.max_response_tokens=384
 
-(Without ``data.held_out_path`` the rollouts take the prompt file's last prompts, which the cold start keeps for its
-own evaluation.)
+(Without ``data.held_out_path`` the rollouts take the prompts the cold start held out of the prompt file, the file's
+last ``drafter.cold_start.eval_prompts``, wrapping round where the rounds need more.)
 
 One process on the core and thread of one `tlt train` rank, as `tlt bench rollout` runs. One speculating engine
 with the config's cold-start drafter samples new held-out prompts each round at the RL temperature, pinned at each
@@ -74,7 +74,7 @@ def _measure(args: argparse.Namespace) -> dict:
         engine = session.open_engine(Path(workdir) / "spec", speculative=speculation, drafter=drafter)
         try:
             session.sync(engine, drafter)
-            rollouts = prompt_sets([e.prompt_ids for e in _prompt_pool(session.task, args)], args.prompts,
+            rollouts = prompt_sets([e.prompt_ids for e in _prompt_pool(session.task, config)], args.prompts,
                                    rotate=True)
             sampling = session.sampling(n=config.rollout.samples_per_prompt, temperature=config.rollout.temperature,
                                         seed=None)
@@ -96,14 +96,17 @@ def _measure(args: argparse.Namespace) -> dict:
             "timed_steps": timed, "rollouts": traces}
 
 
-def _prompt_pool(task, args: argparse.Namespace) -> list:
-    """The held-out prompts; without a held-out file (``data.path`` alone), the training file's last ones, which
-    the cold start holds out as its own evaluation and does not train on."""
+def _prompt_pool(task, config) -> list:
+    """The held-out prompts; without a held-out file (``data.path`` alone), those the cold start held out of the
+    prompt file for its own figures (its tail), which it did not train on. Rollouts wrap round a short pool."""
     if task.held_out:
         return task.held_out
-    needed = args.prompts * (args.rounds + 1)
-    print(f"no held-out prompts (data.held_out_path): the training file's last {needed}", flush=True)
-    return task.dataset.examples[-needed:]
+    from megatron_tlt.commands.warmup_drafter import split_cold_start_prompts
+
+    _, held_out = split_cold_start_prompts(task, config.drafter.cold_start)
+    print(f"no held-out file (data.held_out_path): the {len(held_out)} prompts the cold start held out of the "
+          "prompt file", flush=True)
+    return held_out
 
 
 def _step_costs_from(path: str, widest_batch: int) -> list:
@@ -156,21 +159,27 @@ def main() -> None:
     deepest, bounds = record["depth"], record["bucket_bounds"]
     if args.bucket_bounds:
         bounds = sorted({int(b) for b in args.bucket_bounds.split(",")})
+        if bounds[0] < 1:
+            parser.error(f"--bucket-bounds must be batch sizes >= 1, got {args.bucket_bounds}")
     widest = max(len(step) for steps in record["rollouts"] for step in steps)
     rows = _step_costs_from(args.step_costs, widest) if args.step_costs else record["timed_steps"]
     cost = StepCost.fit(rows, bounds)
     ceilings = headroom(record["rollouts"], deepest, cost)
-    labels = BucketedEpsilonGreedy(SpeculationConfig(bucket_bounds=list(cost.bucket_bounds)), max_depth=deepest)
+    if cost.bucket_bounds:
+        label = BucketedEpsilonGreedy(SpeculationConfig(bucket_bounds=list(cost.bucket_bounds)),
+                                      max_depth=deepest).bucket_label
+    else:  # every bound at or above the widest batch: one bucket
+        label = lambda _bucket: "every batch"  # noqa: E731
     best = ceilings.best_fixed_depth
     print(f"\n{len(record['rollouts'])} traced rollouts ({ceilings.steps} steps); acceptance length at depth "
           f"{deepest}: {statistics.fmean(record['acceptance_lengths']):.2f}")
     print("step cost per batch-size bucket, in steps at depth 0 there: "
-          + ", ".join(f"{labels.bucket_label(b)}: 1 + {slope / intercept:.3f} K"
+          + ", ".join(f"{label(b)}: 1 + {slope / intercept:.3f} K"
                       for b, (intercept, slope) in enumerate(cost.lines)))
     print("time of the traced work at each fixed depth, over the best (depth "
           f"{best}): " + ", ".join(f"{k}: {t / ceilings.fixed[best]:.3f}" for k, t in ceilings.fixed.items()))
     print("best depth per bucket, knowing the trace: " + ", ".join(
-        f"{labels.bucket_label(b)}: {k}" for b, k in ceilings.per_bucket_depths.items()))
+        f"{label(b)}: {k}" for b, k in ceilings.per_bucket_depths.items()))
     for name, seconds in (("best depth per batch-size bucket (BEG-MAB's, the table's ceiling)", ceilings.per_bucket),
                           ("best depth per bucket and last outcome", ceilings.per_bucket_and_last_outcome),
                           ("clairvoyant, each step at its own best depth", ceilings.clairvoyant)):

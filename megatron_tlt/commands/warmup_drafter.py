@@ -48,7 +48,7 @@ from megatron_tlt.rl.rank_session import RankSession
 logger = logging.getLogger(__name__)
 
 
-def _split_prompts(task: Task, settings: ColdStartConfig,
+def split_cold_start_prompts(task: Task, settings: ColdStartConfig,
                    curriculum_max_prompt_tokens: int = 0) -> tuple[list[PromptExample], list[PromptExample]]:
     """Training prompts from the dataset (with an easy-first curriculum, only its first steps' prompts: those the
     run starts with); held-out prompts from the task's own, else the dataset's tail."""
@@ -184,7 +184,8 @@ def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: 
         is_reporter = dist.get_rank() == 0
         settings = config.drafter.cold_start
         session = _Session(config, Path(policy_dir) if policy_dir is not None else None, Path(workdir))
-        train_prompts, eval_prompts = _split_prompts(session.task, settings, config.data.curriculum_max_prompt_tokens)
+        train_prompts, eval_prompts = split_cold_start_prompts(session.task, settings,
+                                                               config.data.curriculum_max_prompt_tokens)
         seed = config.trainer.seed
         held_out = session.generate_with_features(eval_prompts, seed, "held-out responses")
         before = session.evaluate(*held_out)

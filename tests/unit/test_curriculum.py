@@ -86,7 +86,7 @@ def test_the_curriculum_settings_go_together(steps, tokens):
 
 
 def test_the_cold_start_trains_on_the_curriculums_first_prompts_and_measures_on_the_tasks_held_out():
-    from megatron_tlt.commands.warmup_drafter import _split_prompts
+    from megatron_tlt.commands.warmup_drafter import split_cold_start_prompts
     from megatron_tlt.config import ColdStartConfig
     from megatron_tlt.rl.inputs.data import DataReport, PromptDataset
     from megatron_tlt.rl.inputs.task import Task
@@ -97,7 +97,7 @@ def test_the_cold_start_trains_on_the_curriculums_first_prompts_and_measures_on_
                             report=DataReport(path=None, num_rows=12, num_kept=12, skipped={}, first_bad_rows={}))
     task = Task(SimpleNamespace(eos_id=2), None, dataset, held_out)
     settings = ColdStartConfig(prompts=100, eval_prompts=2)
-    train, evaluate = _split_prompts(task, settings, curriculum_max_prompt_tokens=15)
+    train, evaluate = split_cold_start_prompts(task, settings, curriculum_max_prompt_tokens=15)
     assert [e.index for e in train] == [0, 2, 4, 6, 8, 10] and evaluate == held_out
-    train, _ = _split_prompts(task, settings)
+    train, _ = split_cold_start_prompts(task, settings)
     assert len(train) == 12

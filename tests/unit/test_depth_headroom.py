@@ -31,6 +31,8 @@ def test_buckets_above_the_widest_batch_measured_are_dropped_and_the_last_one_ru
     cost = StepCost.fit([(1, 0, 1.0), (1, 2, 1.2), (3, 0, 2.0), (3, 2, 3.0)], (1, 4, 8))
     assert cost.bucket_bounds == (1,)
     assert cost.seconds(20, 2) == pytest.approx(3.0, rel=1e-6)  # batch 20 falls in the 2+ bucket measured at 3
+    whole = StepCost.fit([(1, 0, 1.0), (3, 2, 3.0)], (3, 8))  # no bound below the widest batch: one bucket
+    assert whole.bucket_bounds == () and whole.seconds(1, 1) == pytest.approx(2.0, rel=1e-6)
 
 
 def test_where_the_best_depth_differs_by_batch_size_the_per_bucket_choice_beats_every_fixed_depth():
