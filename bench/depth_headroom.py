@@ -136,6 +136,10 @@ def main() -> None:
     args.depths = sorted({int(d) for d in args.depths.split(",")})
     if len(args.depths) < 2 or args.depths[0] < 0 or args.rounds < 1 or args.prompts < 1:
         parser.error("--depths needs two or more depths >= 0; --rounds and --prompts must be >= 1")
+    if args.bucket_bounds:  # checked before any rollout runs, not after the measurement
+        args.bucket_bounds = sorted({int(b) for b in args.bucket_bounds.split(",")})
+        if args.bucket_bounds[0] < 1:
+            parser.error(f"--bucket-bounds must be batch sizes >= 1, got {args.bucket_bounds}")
     global CONFIG
     from megatron_tlt.config.loading import config_name_for
 
@@ -158,9 +162,7 @@ def main() -> None:
             Path(args.save_trace).write_text(json.dumps(record))
     deepest, bounds = record["depth"], record["bucket_bounds"]
     if args.bucket_bounds:
-        bounds = sorted({int(b) for b in args.bucket_bounds.split(",")})
-        if bounds[0] < 1:
-            parser.error(f"--bucket-bounds must be batch sizes >= 1, got {args.bucket_bounds}")
+        bounds = args.bucket_bounds
     widest = max(len(step) for steps in record["rollouts"] for step in steps)
     rows = _step_costs_from(args.step_costs, widest) if args.step_costs else record["timed_steps"]
     cost = StepCost.fit(rows, bounds)
