@@ -112,9 +112,29 @@ def start_run(config_name: str | None, overrides: list[str], *, resume_dir: str 
             atomic_files.write_text_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))
             # the first step's record carries its wall time (RunReporter)
             atomic_files.write_text_atomic(run_dir / run_files.COLD_START_FILE, cold_start.to_json())
+    if resume_dir is None and d.depth > 0 and d.init_dir is not None:
+        _judge_speculation(config, run_dir, writer=writer)
     results = _run_on_engine_ranks(_train_on_rank, world_size(config), config, str(run_dir), resume_dir is not None,
                                    log_dir=run_dir / run_files.LOG_DIR)
     return run_dir, results.get(0)  # under torchrun each rank holds only its own result (records on rank 0)
+
+
+def _judge_speculation(config, run_dir: Path, *, writer: bool) -> None:
+    """Turn speculation off for a new run whose starting drafter cannot make it pay (``speculation_gate.py``):
+    every rank judges alike; the writer says what it found, keeps the verdict beside the run's config.yaml, and
+    records drafter.depth 0 there when speculation is off."""
+    from megatron_tlt.commands import speculation_gate
+    from megatron_tlt.rl.task_source import task_source
+
+    verdict = speculation_gate.judge(config, task_source(config).architecture())
+    if not verdict.serve:
+        config.drafter.depth = 0
+    if writer:
+        print(verdict.describe(), flush=True)
+        # the first step's record carries it (RunReporter)
+        atomic_files.write_text_atomic(run_dir / run_files.SPECULATION_VERDICT_FILE, verdict.to_json())
+        if not verdict.serve:
+            atomic_files.write_text_atomic(run_dir / run_files.CONFIG_FILE, to_yaml(config))
 
 
 def _warm_up_drafter_on_rank(config, policy_dir, out_dir: str):
@@ -200,9 +220,6 @@ def cold_start_dir(config) -> Path:
     return cache_root(config.warmup.cache_dir) / f"drafter-{key}"
 
 
-CEILING_WORTH_SPECULATING = 1.1
-"""Below this ceiling (``spec/ceiling.py``) the cold start warns that speculation can gain little."""
-
 COLD_START_LOG_DIR = "cold_start"
 """Under a run's ``logs/``: the ranks' logs of the cold start that run made."""
 
@@ -267,11 +284,6 @@ def obtain_cold_start(config_name: str | None, overrides: list[str], *, make: bo
           f"acceptance length at depth {figures['eval_depth']} (teacher-forced) "
           f"{figures['held_out_acceptance_length_before']:.2f} -> {figures['held_out_acceptance_length_after']:.2f}"
           + (f"; {ceiling.describe()}" if ceiling else ""), flush=True)
-    if ceiling is not None and ceiling.speedup < CEILING_WORTH_SPECULATING:
-        print(f"cold start: WARNING: speculation can gain at most {ceiling.speedup:.2f}x here, and a compute-bound "
-              f"engine (a CPU, a large batch) loses what the bandit spends exploring depths above 0; "
-              f"drafter.depth=0 rolls out without drafts (docs/tlt.md: what TLT buys on a pretrained model)",
-              flush=True)
     return ColdStart(directory, "made", seconds, figures)
 
 

@@ -47,6 +47,12 @@ class SpeculationConfig:
     max_speculative_batch: int | None = None
     """Batches above this never speculate and get no speculative CUDA graphs (TLT uses 32 on H100s); null: the
     bandit decides at every batch size."""
+    min_ceiling: float = 1.1
+    """A new run speculates only with a drafter whose ceiling (``spec/ceiling.py``: what speculation buys at most,
+    verifying free) reaches this, judged on the starting drafter's held-out acceptance (its cold start's); below
+    it the engines roll out without drafts while the drafter still trains on idle ranks
+    (``commands/speculation_gate.py``). A speculating vLLM engine runs its drafter at every step, depth 0 too; 0
+    serves any drafter."""
 
     def __post_init__(self) -> None:
         self._check_buckets()
@@ -63,6 +69,9 @@ class SpeculationConfig:
         if not 1 <= self.min_observations <= self.window:
             raise ConfigError(f"speculation.min_observations must be in [1, window={self.window}], got "
                               f"{self.min_observations}.")
+        if not self.min_ceiling >= 0.0:
+            raise ConfigError(f"speculation.min_ceiling must be >= 0 (0: speculate with any drafter), got "
+                              f"{self.min_ceiling}.")
         if self.max_speculative_batch is not None:
             if self.max_speculative_batch < 1:
                 raise ConfigError(f"speculation.max_speculative_batch must be >= 1 or None, got "

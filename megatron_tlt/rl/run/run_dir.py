@@ -34,6 +34,7 @@ TRACE_FILE = "timeline.trace.json"
 TIMELINE_PLOT_FILE = "timeline_last_step.png"
 EVAL_BEFORE_RL_FILE = "eval_before_rl.json"
 COLD_START_FILE = "cold_start.json"
+SPECULATION_VERDICT_FILE = "speculation_verdict.json"
 LOG_DIR = "logs"
 
 
@@ -66,6 +67,18 @@ def cold_start_fields(run_dir: Path) -> dict:
     return {"drafter/cold_start_source": cold_start["source"], "drafter/cold_start_seconds": cold_start["seconds"]}
 
 
+def speculation_verdict_fields(run_dir: Path) -> dict:
+    """What the run's first step record says of the verdict on its starting drafter (``speculation_verdict.json``,
+    ``commands/speculation_gate.py``): ``spec/served`` (whether the engines speculate with it) and
+    ``spec/drafter_ceiling`` (None where the drafter records no held-out acceptance); nothing where no drafter was
+    judged (TLT off, a resumed run)."""
+    path = run_dir / SPECULATION_VERDICT_FILE
+    if not path.is_file():
+        return {}
+    verdict = json.loads(path.read_text())
+    return {"spec/served": verdict["serve"], "spec/drafter_ceiling": verdict["ceiling"]}
+
+
 def _json_safe(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -94,7 +107,8 @@ class RunReporter:
         self._last_step_spans: list[dict] = []
         self._views_stale = False
         self.loggers = loggers
-        self._first_step_fields = cold_start_fields(run_dir) if start_step == 0 else {}
+        self._first_step_fields = ({**cold_start_fields(run_dir), **speculation_verdict_fields(run_dir)}
+                                   if start_step == 0 else {})
         self.console = console()  # the terminal, while the rank's own output goes to RUN_DIR/logs
         self.progress = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True,
                              file=self.console)
