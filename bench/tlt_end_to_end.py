@@ -47,7 +47,9 @@ use, as ``tlt bench rollout`` does), speculates up to depth ``--depth`` (default
 BEG-MAB; ``--variant goodput speculation.policy=goodput`` races the goodput model beside it), and trains
 the drafter on idle ranks. The frozen run is TLT on without the spot trainer: its drafter stays the
 cold-start one (in-domain, not random), so the acceptance ratio online / frozen is what training on idle
-ranks adds.
+ranks adds. Every arm runs as ``tlt train`` does, its speculation gate included: where the starting drafter's
+ceiling is below ``speculation.min_ceiling``, the arms that start from it roll out without drafts, and the report
+says so; ``-- speculation.min_ceiling=0`` races speculation itself.
 Online against frozen at equal draws: the two arms sample the same distribution but not the same responses, and a
 step's time moves with what it drew more than by the 1% a drafter comparison asks for, so beside the plain ratio
 the bench fits every step of every run with the step's prompts, the repeat and the draws held fixed
@@ -273,6 +275,7 @@ def _print_all(runs: dict[str, list[list[dict]]], variants: list[str], cold_star
     for name in variants:
         _print_variant(runs, name)
     _print_arms(runs, half)
+    _print_speculation_verdicts(runs)
     _print_where_the_time_went(runs)
     _print_quality(runs)
     if "cold" in runs:
@@ -416,6 +419,20 @@ def _print_arms(runs: dict[str, list[list[dict]]], half: int) -> None:
         end = min(start + chunk, steps)
         print(f"  {start + 1:3d}-{end:<3d} " + "  ".join(
             f"{statistics.fmean(_acceptance(records, start, end) for records in runs[arm]):6.2f}" for arm in speculating))
+
+
+def _print_speculation_verdicts(runs: dict[str, list[list[dict]]]) -> None:
+    """Each arm that started from a drafter: whether its engines speculated with it (``spec/served``, the run's
+    verdict on the drafter's ceiling: commands/speculation_gate.py)."""
+    for arm, repeats in runs.items():
+        verdicts = [(rs[0].get("spec/served"), rs[0].get("spec/drafter_ceiling")) for rs in repeats]
+        if all(served is None for served, _ in verdicts):
+            continue
+        served, ceiling = verdicts[0]
+        what = "speculated" if served else "rolled out without drafts (speculation.min_ceiling=0 speculates anyway)"
+        print(f"  {arm}: {what}; the starting drafter's ceiling "
+              + (f"{ceiling:.2f}x" if ceiling is not None else "not recorded")
+              + ("" if len(set(verdicts)) == 1 else f" (repeats differ: {verdicts})"))
 
 
 def _print_where_the_time_went(runs: dict[str, list[list[dict]]]) -> None:
