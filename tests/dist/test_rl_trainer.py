@@ -88,16 +88,47 @@ def killed_run(env, tmp_path_factory):
     return run_dir
 
 
+def _a_drafter_that_cannot_pay(directory: Path) -> Path:
+    """A drafter of SMALL's shape whose record, as a cold start writes it, puts its ceiling below 1.1x."""
+    from megatron_tlt.commands.speculation_gate import ACCEPTANCE_KEY
+    from megatron_tlt.config import load_config
+    from megatron_tlt.drafter import store
+    from megatron_tlt.drafter.model import EagleDrafter
+    from megatron_tlt.rl.task_source import task_source
+
+    arch = task_source(load_config("tiny", small_runs.SMALL)).architecture()
+    directory.mkdir(parents=True)
+    store.write_drafter_files(directory, arch, EagleDrafter(arch, seed=0).export_tensors(),
+                              {ACCEPTANCE_KEY: [0.05, 0.02]})
+    return directory
+
+
 @pytest.fixture(scope="module")
 def spot_run_with_a_fault(env, tmp_path_factory):
     """The killed run's settings, uninterrupted, with the spot trainer on: rank 1 holds its rollouts
     (helpers/slow_rank), so rank 0 trains the drafter in an idle window in every step, and the second
-    micro-step of the fourth rollout raises (helpers/drafter_fault). Returns (run directory, stderr)."""
+    micro-step of the fourth rollout raises (helpers/drafter_fault). It asks to speculate 2 deep with a drafter
+    that cannot pay, so the run's speculation gate turns speculation off before its engines are built
+    (commands/speculation_gate.py). Returns (run directory, stderr)."""
     run_dir = tmp_path_factory.mktemp("runs") / "spot-fault"
+    drafter = _a_drafter_that_cannot_pay(tmp_path_factory.mktemp("drafters") / "cannot-pay")
     faulty = _with_slow_rank(env, TLT_TEST_DRAFTER_FAULT_AT="4:2")
     result = _train(faulty, *SMALL, "trainer.steps=4", "trainer.save_every=2", "drafter.spot_training=true",
-                    "drafter.pack_tokens=64", "drafter.spot_duty_cycle=1.0", f"trainer.run_dir={run_dir}")
+                    "drafter.pack_tokens=64", "drafter.spot_duty_cycle=1.0", "drafter.depth=2",
+                    f"drafter.init_dir={drafter}", f"trainer.run_dir={run_dir}")
     return run_dir, result.stderr
+
+
+def test_a_run_whose_drafter_cannot_pay_rolls_out_without_drafts_and_says_so(spot_run_with_a_fault):
+    """The gate's verdict is kept and the run's config.yaml records drafter.depth 0; that it then samples
+    exactly as TLT off does is the next tests' (the same rollouts as the killed run, which never speculates)."""
+    run_dir, _ = spot_run_with_a_fault
+    verdict = json.loads((run_dir / "speculation_verdict.json").read_text())
+    assert verdict["serve"] is False and verdict["ceiling"] < verdict["min_ceiling"] == 1.1
+    assert re.search(r"^  depth: 0$", (run_dir / "config.yaml").read_text(), re.MULTILINE)
+    records = _summary(run_dir)
+    assert records[0]["spec/served"] is False and records[0]["spec/drafter_ceiling"] == verdict["ceiling"]
+    assert not any("spec/engine_steps" in r for r in records)  # no speculating engine to count steps
 
 
 def test_summary_has_one_record_per_step_with_phases_and_idle_share(killed_run):
