@@ -129,6 +129,8 @@ def _judge_speculation(config, run_dir: Path, *, writer: bool) -> None:
     verdict = speculation_gate.judge(config, task_source(config).architecture())
     if not verdict.serve:
         config.drafter.depth = 0
+        # the arms were decided for the old depth: null lets a resume that sets drafter.depth decide them again
+        config.speculation.depths = None
     if writer:
         print(verdict.describe(), flush=True)
         # the first step's record carries it (RunReporter)

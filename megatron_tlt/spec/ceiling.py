@@ -16,7 +16,7 @@ keeps depth 0. A small policy with a large vocabulary pays most: SmolLM2-135M's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from megatron_tlt.formats.architecture import PolicyArchitecture
@@ -47,17 +47,21 @@ class SpeculationCeiling:
                 f"{self.cost_share:.0%} of a policy token)")
 
 
-def speculation_ceiling(acceptance_by_position: Sequence[float], cost_share: float) -> SpeculationCeiling:
-    """The ceiling (module docstring) over the depths 0..len(acceptance_by_position)."""
+def speculation_ceiling(acceptance_by_position: Sequence[float], cost_share: float,
+                        depths: Collection[int] | None = None) -> SpeculationCeiling | None:
+    """The ceiling (module docstring) over ``depths`` (default: 0..len(acceptance_by_position)); depths past the
+    measured positions are left out, and None is returned where no depth is left (a fixed depth past them)."""
     if cost_share < 0:
         raise ValueError(f"cost_share must be >= 0, got {cost_share}")
-    best, best_depth, tokens, reach = 1.0, 0, 1.0, 1.0
+    allowed = set(range(len(acceptance_by_position) + 1)) if depths is None else set(depths)
+    best, best_depth = (1.0, 0) if 0 in allowed else (None, None)
+    tokens, reach = 1.0, 1.0
     for depth, accepted in enumerate(acceptance_by_position, start=1):
         if not 0.0 <= accepted <= 1.0:
             raise ValueError(f"acceptance at draft step {depth} must be in [0, 1], got {accepted}")
         reach *= accepted
         tokens += reach
         speedup = tokens / (1.0 + cost_share * depth)
-        if speedup > best:
+        if depth in allowed and (best is None or speedup > best):
             best, best_depth = speedup, depth
-    return SpeculationCeiling(best, best_depth, cost_share)
+    return None if best is None else SpeculationCeiling(best, best_depth, cost_share)

@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tlt.commands import speculation_gate, start
+from megatron_tlt.commands import run_values, speculation_gate, start
 from megatron_tlt.config import load_config
 from megatron_tlt.config.checks import ConfigError
 from megatron_tlt.drafter import store
 from megatron_tlt.rl.run import run_dir as run_files
 from megatron_tlt.rl.task_source import task_source
 
-# accepted about as SmolLM2-135M's cheap cold start was at temperature 1 (bench/RESULTS.md), on the tiny policy,
-# whose drafter costs 2.45% of a policy token where SmolLM2's costs 24%
+# a middling drafter on the tiny policy, whose draft token costs 2.45% of a policy token (SmolLM2-135M's: 24%)
 WEAK = [0.30, 0.10, 0.05, 0.02]
 SHIPPED = next((Path(start.__file__).parents[1] / "rl" / "tiny" / "shipped").glob("drafter-*"))
 # the tiny default's shipped cold start
@@ -51,10 +50,10 @@ def test_a_drafter_below_the_ceiling_is_not_served_and_one_above_it_is(tmp_path)
     strong = _judge(_config(_drafter_dir(tmp_path / "strong", STRONG)))
     assert strong.serve and strong.ceiling.speedup > 2.5
     # min_ceiling 0 serves any drafter; a higher bar turns a middling one off
+    assert not _judge(_config(middling_dir, "speculation.min_ceiling=1.5")).serve
     assert _judge(_config(weak_dir, "speculation.min_ceiling=0")).serve
     # judged at the depths the run drafts: one draft of the middling drafter, (1 + 0.30) / (1 + 0.0245)
     assert _judge(_config(middling_dir, "drafter.depth=1")).ceiling.speedup == pytest.approx(1.30 / 1.0245, abs=2e-3)
-    assert not _judge(_config(middling_dir, "speculation.min_ceiling=1.5")).serve
 
 
 def test_a_drafter_that_records_no_held_out_acceptance_is_served_as_configured(tmp_path):
@@ -62,6 +61,28 @@ def test_a_drafter_that_records_no_held_out_acceptance_is_served_as_configured(t
         verdict = _judge(_config(_drafter_dir(tmp_path / name, acceptance)))
         assert verdict.serve and verdict.ceiling is None
         assert "records no held-out acceptance" in verdict.describe()
+
+
+def test_the_drafter_is_judged_at_the_depths_the_run_may_draft(tmp_path):
+    directory = _drafter_dir(tmp_path / "one-good-draft", [0.9, 0.0])
+    # BEG-MAB may pick depth 1, the best; a fixed depth 2 drafts a second token that is never accepted
+    assert _judge(_config(directory, "drafter.depth=2")).ceiling.depth == 1
+    fixed = _judge(_config(directory, "drafter.depth=2", "speculation.adaptive=false")).ceiling
+    assert (fixed.depth, fixed.speedup) == (2, pytest.approx(1.9 / 1.049, abs=2e-3))
+    arms = _judge(_config(directory, "drafter.depth=2", "speculation.depths=[0,2]")).ceiling
+    assert arms.depth == 2
+    # a fixed depth past the positions its record measured cannot be judged: served as configured
+    unmeasured = _judge(_config(directory, "drafter.depth=4", "speculation.adaptive=false"))
+    assert unmeasured.serve and unmeasured.ceiling is None
+
+
+def test_only_the_measured_leading_positions_of_a_record_count(tmp_path):
+    # NaN: no held-out chain reached the 2nd position; the 1st was measured and is judged
+    partial = _judge(_config(_drafter_dir(tmp_path / "partial", [0.05, float("nan")])))
+    assert not partial.serve and partial.ceiling.depth == 1
+    for name, record in (("above-one", [1.5, 0.5]), ("null", [None, 0.5]), ("text", "0.9")):
+        verdict = _judge(_config(_drafter_dir(tmp_path / name, record)))
+        assert verdict.serve and verdict.ceiling is None, name
 
 
 def test_min_ceiling_is_checked():
@@ -85,10 +106,20 @@ def test_a_run_whose_drafter_cannot_pay_rolls_out_without_drafts_says_so_and_rec
     # the first step's record says so (RunReporter)
     assert run_files.speculation_verdict_fields(run_dir) == {
         "spec/served": False, "spec/drafter_ceiling": pytest.approx(1.05 / 1.0245, abs=1e-3)}
+    # a resume that asks for drafts again decides the arms anew (the gate left them null)
+    resumed = run_values.decided(load_config(str(run_dir / run_files.CONFIG_FILE), ["drafter.depth=1"]),
+                                 run_name="run")
+    assert resumed.speculation.depths == [0, 1]
+    # a rank that is not the writer judges alike and writes nothing
+    quiet_dir = tmp_path / "not-the-writer"
+    quiet_dir.mkdir()
+    quiet = _config(_drafter_dir(tmp_path / "also-weak", [0.05, 0.02]))
+    start._judge_speculation(quiet, quiet_dir, writer=False)
+    assert quiet.drafter.depth == 0 and not any(quiet_dir.iterdir()) and capsys.readouterr().out == ""
     # one that can pay changes nothing and says why
     served = _config(_drafter_dir(tmp_path / "strong", STRONG))
     depth = served.drafter.depth
-    start._judge_speculation(served, run_dir, writer=False)  # a rank that is not the writer: silent
+    start._judge_speculation(served, run_dir, writer=False)
     assert served.drafter.depth == depth > 0 and capsys.readouterr().out == ""
     start._judge_speculation(served, run_dir, writer=True)
     assert capsys.readouterr().out.startswith("speculation: on; the starting drafter's ceiling")
