@@ -34,7 +34,7 @@ class SpeculationVerdict:
     serve: bool
     """Whether the engines speculate with the drafter."""
     ceiling: SpeculationCeiling | None
-    """The drafter's ceiling; None where its directory records no held-out acceptance."""
+    """The drafter's ceiling; None where its record measured no depth the run drafts."""
     min_ceiling: float
 
     def to_json(self) -> str:
@@ -46,8 +46,8 @@ class SpeculationVerdict:
 
     def describe(self) -> str:
         if self.ceiling is None:
-            return ("speculation: on as configured (the starting drafter records no held-out acceptance to judge it "
-                    "by)")
+            return ("speculation: on as configured (the starting drafter records no held-out acceptance at the "
+                    "depths this run drafts, to judge it by)")
         if self.serve:
             return (f"speculation: on; the starting drafter's ceiling {self.ceiling.speedup:.2f}x reaches "
                     f"speculation.min_ceiling {self.min_ceiling:g}")
