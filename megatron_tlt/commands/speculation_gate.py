@@ -9,11 +9,12 @@ rolls out on plain engines (``drafter.depth`` 0 in its config.yaml, so a resumed
 drafter on idle ranks where ``drafter.spot_training`` is on.
 
 The judgement reads the held-out acceptance a cold start records with its drafter, at the depths the run may draft
-(the bandit's arms, or drafter.depth alone without BEG-MAB). A drafter without such a record (a random start, a
-spot-trained checkpoint, a user's own) is served as configured. The record is taken as it is: a drafter measured at
-another temperature or draft sampling than the run's is judged on those figures. The ceiling assumes verifying is
-free, so 1.1 is a bound on what can pay, not a measured break-even: a CPU pays for verification, and a ceiling above
-1.1 there can still lose.
+(the bandit's arms, or drafter.depth alone without BEG-MAB). Acceptance moves with the sampling it is measured at (on
+SmolLM2-135M the first draft was accepted 24% of the time at temperature 1 and 37% at 0.5), so a record measured at
+another temperature or draft sampling than the run's is not judged. A drafter that cannot be judged (a random start,
+a spot-trained checkpoint, a user's own, a record made before cold starts named their sampling) is served as
+configured. The ceiling assumes verifying is free, so 1.1 is a bound on what can pay, not a measured break-even: a
+CPU pays for verification, and a ceiling above 1.1 there can still lose.
 """
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ from megatron_tlt.spec.ceiling import SpeculationCeiling, drafter_cost_share, sp
 
 ACCEPTANCE_KEY = "held_out_acceptance_by_position_after"
 """The starting drafter's held-out acceptance per draft position, as ``tlt warmup-drafter`` records it."""
+TEMPERATURE_KEY = "held_out_temperature"
+DRAFT_SAMPLING_KEY = "held_out_draft_sampling"
+# the sampling that acceptance was measured at, named by the config keys they record
+RECORDED_AS = {TEMPERATURE_KEY: "rollout.temperature", DRAFT_SAMPLING_KEY: "speculation.draft_sampling"}
+
+
+def measured_at(config: TLTConfig) -> dict:
+    """The record's fields naming the sampling a held-out acceptance measured with ``config`` is taken at."""
+    return {TEMPERATURE_KEY: config.rollout.temperature, DRAFT_SAMPLING_KEY: config.speculation.draft_sampling}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,20 +44,21 @@ class SpeculationVerdict:
     serve: bool
     """Whether the engines speculate with the drafter."""
     ceiling: SpeculationCeiling | None
-    """The drafter's ceiling; None where its record measured no depth the run drafts."""
+    """The drafter's ceiling; None where it could not be judged (``unjudged`` says why)."""
     min_ceiling: float
+    unjudged: str | None = None
+    """Why the drafter could not be judged, where ``ceiling`` is None."""
 
     def to_json(self) -> str:
         ceiling = self.ceiling
         return json.dumps({"serve": self.serve, "ceiling": ceiling.speedup if ceiling else None,
                            "ceiling_depth": ceiling.depth if ceiling else None,
-                           "cost_share": ceiling.cost_share if ceiling else None, "min_ceiling": self.min_ceiling},
-                          indent=1)
+                           "cost_share": ceiling.cost_share if ceiling else None, "min_ceiling": self.min_ceiling,
+                           "unjudged": self.unjudged}, indent=1)
 
     def describe(self) -> str:
         if self.ceiling is None:
-            return ("speculation: on as configured (the starting drafter records no held-out acceptance at the "
-                    "depths this run drafts, to judge it by)")
+            return f"speculation: on as configured ({self.unjudged})"
         if self.serve:
             return (f"speculation: on; the starting drafter's ceiling {self.ceiling.speedup:.2f}x reaches "
                     f"speculation.min_ceiling {self.min_ceiling:g}")
@@ -80,10 +91,30 @@ def judge(config: TLTConfig, arch: PolicyArchitecture) -> SpeculationVerdict:
     """The verdict on the drafter ``drafter.init_dir`` holds for a run of ``config`` on a policy of ``arch``, at
     the depths the run may draft (its measured ones)."""
     threshold = config.speculation.min_ceiling
-    acceptance = measured_prefix(store.read_drafter_info(config.drafter.init_dir).get(ACCEPTANCE_KEY))
+    record = store.read_drafter_info(config.drafter.init_dir)
+    other_sampling = sampling_mismatch(record, config)
+    if other_sampling is not None:
+        return SpeculationVerdict(True, None, threshold, unjudged=other_sampling)
+    acceptance = measured_prefix(record.get(ACCEPTANCE_KEY))
     ceiling = None
     if acceptance:
         ceiling = speculation_ceiling(acceptance, drafter_cost_share(arch), depths=usable_depths(config))
-    if ceiling is None:  # nothing measured at a depth the run drafts: it cannot be judged
-        return SpeculationVerdict(True, None, threshold)
+    if ceiling is None:
+        return SpeculationVerdict(True, None, threshold, unjudged=(
+            "the starting drafter records no held-out acceptance at the depths this run drafts, to judge it by"))
     return SpeculationVerdict(ceiling.speedup >= threshold, ceiling, threshold)
+
+
+def sampling_mismatch(record: dict, config: TLTConfig) -> str | None:
+    """What the record's held-out acceptance was measured at that the run does not sample at, said in a sentence;
+    None where the record names the run's sampling or names none (a record made before it named its sampling)."""
+    run = measured_at(config)
+    differ = {key: record[key] for key in run if key in record and record[key] != run[key]}
+    if run[TEMPERATURE_KEY] == 0 and TEMPERATURE_KEY not in differ:
+        differ.pop(DRAFT_SAMPLING_KEY, None)  # greedy rollouts accept a draft alike however it was drawn
+    if not differ:
+        return None
+    theirs = ", ".join(f"{RECORDED_AS[key]} {value}" for key, value in differ.items())
+    ours = ", ".join(f"{RECORDED_AS[key]} {run[key]}" for key in differ)
+    return (f"the starting drafter's held-out acceptance was measured at {theirs} and this run has {ours}; "
+            f"acceptance moves with sampling, so that record does not judge it")

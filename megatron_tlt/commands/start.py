@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -255,6 +254,7 @@ def obtain_cold_start(config_name: str | None, overrides: list[str], *, make: bo
     """``cold_start_drafter``, saying where the drafter came from; a warm-up it makes says on the console what it
     does and why before it starts, and what it took after, and logs its ranks to ``log_dir`` (default
     ``warmup_log_dir`` of the cache entry)."""
+    from megatron_tlt.commands import speculation_gate
     from megatron_tlt.rl.task_source import task_source
     from megatron_tlt.spec.ceiling import drafter_cost_share, speculation_ceiling
 
@@ -276,9 +276,10 @@ def obtain_cold_start(config_name: str | None, overrides: list[str], *, make: bo
     figures = start_drafter_warmup(config_name, overrides, policy=None, out_dir=str(directory), log_dir=log_dir,
                                    announce=announce)
     seconds = time.perf_counter() - started
-    acceptance = figures["held_out_acceptance_by_position_after"]
+    # as a run judges it: up to the first position no held-out chain reached (NaN)
+    acceptance = speculation_gate.measured_prefix(figures["held_out_acceptance_by_position_after"])
     ceiling = None
-    if all(math.isfinite(a) for a in acceptance):  # NaN: no held-out chain was long enough to measure
+    if acceptance:
         ceiling = speculation_ceiling(acceptance, drafter_cost_share(task_source(config).architecture()))
         figures = {**figures, "speculation_ceiling": ceiling.speedup, "speculation_ceiling_depth": ceiling.depth}
     print(f"cold start: done in {seconds / 60:.1f} min; held-out top-1 agreement with the policy "

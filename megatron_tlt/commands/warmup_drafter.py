@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_tlt.commands import speculation_gate
 from megatron_tlt.config import ColdStartConfig, TLTConfig
 from megatron_tlt.drafter import store
 from megatron_tlt.drafter.quality import AcceptanceTally, measure
@@ -202,6 +203,7 @@ def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: 
             "held_out_acceptance_length_before": before["acceptance_length"],
             "held_out_acceptance_length_after": after["acceptance_length"],
             "held_out_acceptance_by_position_after": after["acceptance_by_position"],
+            **speculation_gate.measured_at(config),  # what a run that starts from it compares with its own
         }
         if not is_reporter:
             return None

@@ -78,6 +78,12 @@ def test_a_cold_start_records_its_ceiling_and_leaves_the_verdict_to_the_run(tmp_
     monkeypatch.setattr(start, "start_drafter_warmup", _stand_in_warm_up({}, unmeasured))
     made = obtain_cold_start("tiny", [f"warmup.cache_dir={tmp_path / 'nan'}", "warmup.use_shipped=false"])
     assert "speculation_ceiling" not in made.figures
+    # a chain that reached the 1st position only: the ceiling of what was measured, as the run judges it
+    partial = {**FIGURES, "held_out_acceptance_by_position_after": [0.5, float("nan")]}
+    monkeypatch.setattr(start, "start_drafter_warmup", _stand_in_warm_up({}, partial))
+    made = obtain_cold_start("tiny", [f"warmup.cache_dir={tmp_path / 'partial'}", "warmup.use_shipped=false"])
+    assert (made.figures["speculation_ceiling"], made.figures["speculation_ceiling_depth"]) == (
+        pytest.approx(1.5 / 1.0245, abs=1e-3), 1)
 
 
 def _reporter(run_dir, start_step=0):

@@ -22,12 +22,12 @@ SHIPPED = next((Path(start.__file__).parents[1] / "rl" / "tiny" / "shipped").glo
 STRONG = [0.85, 0.91, 0.91, 0.91]
 
 
-def _drafter_dir(tmp_path, acceptance):
+def _drafter_dir(tmp_path, acceptance, **measured_at):
     directory = tmp_path / "drafter"
     directory.mkdir(parents=True)
     # the tiny default's shipped cold-start weights: drafter.init_dir must hold a drafter; only its record differs
     shutil.copy(SHIPPED / store.WEIGHTS_FILE, directory / store.WEIGHTS_FILE)
-    info = {} if acceptance is None else {speculation_gate.ACCEPTANCE_KEY: acceptance}
+    info = {} if acceptance is None else {speculation_gate.ACCEPTANCE_KEY: acceptance, **measured_at}
     (directory / store.INFO_FILE).write_text(json.dumps(info))
     return directory
 
@@ -83,6 +83,34 @@ def test_only_the_measured_leading_positions_of_a_record_count(tmp_path):
     for name, record in (("above-one", [1.5, 0.5]), ("null", [None, 0.5]), ("text", "0.9")):
         verdict = _judge(_config(_drafter_dir(tmp_path / name, record)))
         assert verdict.serve and verdict.ceiling is None, name
+
+
+def test_a_record_measured_at_another_sampling_does_not_judge_the_run(tmp_path):
+    run = load_config("tiny", [])  # the tiny default's sampling, as its cold start records it
+    same = speculation_gate.measured_at(run)
+    assert same == {"held_out_temperature": run.rollout.temperature, "held_out_draft_sampling": "probabilistic"}
+    weak = _judge(_config(_drafter_dir(tmp_path / "same", WEAK[2:], **same)))
+    assert not weak.serve and weak.unjudged is None  # measured as the run samples: judged, and turned off
+    # the same record measured at half the run's temperature, or with greedy drafts: served as configured, saying why
+    for name, other in (("cooler", {"held_out_temperature": run.rollout.temperature / 2}),
+                        ("greedy", {"held_out_draft_sampling": "greedy"})):
+        verdict = _judge(_config(_drafter_dir(tmp_path / name, WEAK[2:], **{**same, **other})))
+        assert verdict.serve and verdict.ceiling is None, name
+        field, value = next(iter(other.items()))
+        assert verdict.describe() == (
+            f"speculation: on as configured (the starting drafter's held-out acceptance was measured at "
+            f"{speculation_gate.RECORDED_AS[field]} {value} and this run has {speculation_gate.RECORDED_AS[field]} "
+            f"{same[field]}; acceptance moves with sampling, so that record does not judge it)")
+        assert json.loads(verdict.to_json())["unjudged"] == verdict.unjudged
+    # a run at that temperature is judged by it
+    cooler = _config(_drafter_dir(tmp_path / "cooler-run", WEAK[2:], **{**same, "held_out_temperature": 0.25}),
+                     "rollout.temperature=0.25")
+    assert not _judge(cooler).serve
+    # greedy rollouts accept a draft alike however it was drawn: only the temperature counts there
+    greedy = {"held_out_temperature": 0.0, "held_out_draft_sampling": "greedy"}
+    assert not _judge(_config(_drafter_dir(tmp_path / "greedy-run", WEAK[2:], **greedy), "rollout.temperature=0")).serve
+    # the shipped cold start names no sampling (it predates the fields): taken as it is
+    assert "held_out_temperature" not in store.read_drafter_info(SHIPPED) and _judge(_config(SHIPPED)).serve
 
 
 def test_min_ceiling_is_checked():
