@@ -431,7 +431,7 @@ def _print_speculation_verdicts(runs: dict[str, list[list[dict]]]) -> None:
         served, ceiling = verdicts[0]
         what = "speculated" if served else "rolled out without drafts (speculation.min_ceiling=0 speculates anyway)"
         print(f"  {arm}: {what}; the starting drafter's ceiling "
-              + (f"{ceiling:.2f}x" if ceiling is not None else "not recorded")
+              + (f"{ceiling:.2f}x" if ceiling is not None else "not judged (speculation_verdict.json says why)")
               + ("" if len(set(verdicts)) == 1 else f" (repeats differ: {verdicts})"))
 
 

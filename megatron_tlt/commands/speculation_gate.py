@@ -9,11 +9,13 @@ rolls out on plain engines (``drafter.depth`` 0 in its config.yaml, so a resumed
 drafter on idle ranks where ``drafter.spot_training`` is on.
 
 The judgement reads the held-out acceptance a cold start records with its drafter, at the depths the run may draft
-(the bandit's arms, or drafter.depth alone without BEG-MAB). Acceptance moves with the sampling it is measured at (on
-SmolLM2-135M the first draft was accepted 24% of the time at temperature 1 and 37% at 0.5), so a record measured at
-another temperature or draft sampling than the run's is not judged. A drafter that cannot be judged (a random start,
-a spot-trained checkpoint, a user's own, a record made before cold starts named their sampling) is served as
-configured. The ceiling assumes verifying is free, so 1.1 is a bound on what can pay, not a measured break-even: a
+(the bandit's arms, or drafter.depth alone without BEG-MAB), at the run's sampling: acceptance is a function of the
+temperature and the draft sampling (``drafter/quality.py``), so a record measured at another temperature does not
+judge the run. The cache key holds the temperature but not the draft sampling, so a cold start records its
+acceptance with each draft sampling. ``rollout.top_p`` is not compared (a known gap; it shapes the held-out
+responses too). A drafter that cannot be judged (a random start, a spot-trained checkpoint, a user's own, a record
+at another sampling) is served as configured; records made before cold starts named their sampling are taken as
+they are. The ceiling assumes verifying is free, so 1.1 is a bound on what can pay, not a measured break-even: a
 CPU pays for verification, and a ceiling above 1.1 there can still lose.
 """
 from __future__ import annotations
@@ -32,6 +34,8 @@ TEMPERATURE_KEY = "held_out_temperature"
 DRAFT_SAMPLING_KEY = "held_out_draft_sampling"
 # the sampling that acceptance was measured at, named by the config keys they record
 RECORDED_AS = {TEMPERATURE_KEY: "rollout.temperature", DRAFT_SAMPLING_KEY: "speculation.draft_sampling"}
+BY_DRAFT_SAMPLING_KEY = "held_out_acceptance_by_draft_sampling_after"
+"""The same acceptance with each draft sampling, {"probabilistic": [...], "greedy": [...]} (sampled rollouts)."""
 
 
 def measured_at(config: TLTConfig) -> dict:
@@ -91,11 +95,9 @@ def judge(config: TLTConfig, arch: PolicyArchitecture) -> SpeculationVerdict:
     """The verdict on the drafter ``drafter.init_dir`` holds for a run of ``config`` on a policy of ``arch``, at
     the depths the run may draft (its measured ones)."""
     threshold = config.speculation.min_ceiling
-    record = store.read_drafter_info(config.drafter.init_dir)
-    other_sampling = sampling_mismatch(record, config)
-    if other_sampling is not None:
-        return SpeculationVerdict(True, None, threshold, unjudged=other_sampling)
-    acceptance = measured_prefix(record.get(ACCEPTANCE_KEY))
+    acceptance, unjudged = acceptance_at_the_runs_sampling(store.read_drafter_info(config.drafter.init_dir), config)
+    if unjudged is not None:
+        return SpeculationVerdict(True, None, threshold, unjudged=unjudged)
     ceiling = None
     if acceptance:
         ceiling = speculation_ceiling(acceptance, drafter_cost_share(arch), depths=usable_depths(config))
@@ -105,16 +107,22 @@ def judge(config: TLTConfig, arch: PolicyArchitecture) -> SpeculationVerdict:
     return SpeculationVerdict(ceiling.speedup >= threshold, ceiling, threshold)
 
 
-def sampling_mismatch(record: dict, config: TLTConfig) -> str | None:
-    """What the record's held-out acceptance was measured at that the run does not sample at, said in a sentence;
-    None where the record names the run's sampling or names none (a record made before it named its sampling)."""
+def acceptance_at_the_runs_sampling(record: dict, config: TLTConfig) -> tuple[list[float], str | None]:
+    """The record's measured held-out acceptance per position at the run's sampling, or why it has none there (a
+    sentence). A record that names no sampling (made before the fields) is taken as it is."""
     run = measured_at(config)
-    differ = {key: record[key] for key in run if key in record and record[key] != run[key]}
-    if run[TEMPERATURE_KEY] == 0 and TEMPERATURE_KEY not in differ:
-        differ.pop(DRAFT_SAMPLING_KEY, None)  # greedy rollouts accept a draft alike however it was drawn
-    if not differ:
-        return None
-    theirs = ", ".join(f"{RECORDED_AS[key]} {value}" for key, value in differ.items())
-    ours = ", ".join(f"{RECORDED_AS[key]} {run[key]}" for key in differ)
-    return (f"the starting drafter's held-out acceptance was measured at {theirs} and this run has {ours}; "
-            f"acceptance moves with sampling, so that record does not judge it")
+    temperature = record.get(TEMPERATURE_KEY, run[TEMPERATURE_KEY])
+    if temperature != run[TEMPERATURE_KEY]:
+        return [], _other_sampling(TEMPERATURE_KEY, temperature, run)
+    drafted = record.get(DRAFT_SAMPLING_KEY, run[DRAFT_SAMPLING_KEY])
+    if temperature == 0 or drafted == run[DRAFT_SAMPLING_KEY]:  # greedy rollouts accept a draft alike however drawn
+        return measured_prefix(record.get(ACCEPTANCE_KEY)), None
+    by_sampling = record.get(BY_DRAFT_SAMPLING_KEY)
+    if isinstance(by_sampling, dict) and run[DRAFT_SAMPLING_KEY] in by_sampling:
+        return measured_prefix(by_sampling[run[DRAFT_SAMPLING_KEY]]), None
+    return [], _other_sampling(DRAFT_SAMPLING_KEY, drafted, run)
+
+
+def _other_sampling(key: str, recorded, run: dict) -> str:
+    return (f"the starting drafter's held-out acceptance was measured at {RECORDED_AS[key]} {recorded} and this run "
+            f"has {RECORDED_AS[key]} {run[key]}; acceptance moves with sampling, so that record does not judge it")

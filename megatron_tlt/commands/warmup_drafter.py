@@ -133,27 +133,43 @@ class _Session:
         sequences, features = features_on_every_stage(self.model, sequences, result)
         return sequences, features, prompt_lengths
 
-    def evaluate(self, sequences, features, prompt_lengths) -> dict[str, float]:
+    def evaluate(self, sequences, features, prompt_lengths, *, every_draft_sampling: bool = False) -> dict:
         """Drafter loss, top-1 agreement and the teacher-forced expected acceptance length at ``eval_depth`` over
-        every rank's held-out sequences (counted once: on the first TP rank of the last pipeline stage)."""
+        every rank's held-out sequences (counted once: on the first TP rank of the last pipeline stage), at the
+        run's draft sampling. With ``every_draft_sampling`` and a sampled rollout, also the acceptance per position
+        with each draft sampling (``acceptance_by_draft_sampling``): the cache key does not hold the draft sampling,
+        so a cached cold start is judged for runs of either (commands/speculation_gate.py)."""
+        depth = self.settings.eval_depth
+        settings = MeasureSettings.from_config(self.config, depth=depth)
+        own = self.config.speculation.draft_sampling
+        samplings = {own: settings.greedy_draft}
+        if every_draft_sampling and settings.temperature > 0:
+            samplings = {"probabilistic": False, "greedy": True}
         sums = self.trainer.evaluate(sequences, features)  # zeros for a rank without sequences
-        tally = AcceptanceTally.empty(self.settings.eval_depth)
+        tallies = {name: AcceptanceTally.empty(depth) for name in samplings}
         stage = mcore.stage_info()
         if stage.tp_rank == 0 and stage.is_last_stage:
             embedding, lm_head = self.trainer.policy_heads
+            chains = list(zip(sequences, features, prompt_lengths))
             with torch.no_grad():
-                tally = measure(self.trainer.drafter, list(zip(sequences, features, prompt_lengths)),
-                                embedding_vh=embedding, lm_head_vh=lm_head, **MeasureSettings.from_config(
-                                    self.config, depth=self.settings.eval_depth).measure_kwargs())
+                for name, greedy in samplings.items():
+                    tallies[name] = measure(self.trainer.drafter, chains, embedding_vh=embedding, lm_head_vh=lm_head,
+                                            **dataclasses.replace(settings, greedy_draft=greedy).measure_kwargs())
         else:
             sums = dict.fromkeys(sums, 0.0)
         # on the CPU on purpose: reduced over gloo, not NCCL
         totals = torch.cat([torch.tensor([sums["loss_sum"], sums["top1_sum"], sums["tokens"]], dtype=torch.float64),
-                            tally.as_tensor().double()])
+                            *(tally.as_tensor().double() for tally in tallies.values())])
         dist.all_reduce(totals)
-        tally = AcceptanceTally.from_tensor(self.settings.eval_depth, totals[3:])
-        return {"loss": totals[0].item() / totals[2].item(), "top1_agreement": totals[1].item() / totals[2].item(),
-                "acceptance_length": tally.expected_length, "acceptance_by_position": tally.acceptance_by_position}
+        width = len(AcceptanceTally.empty(depth).as_tensor())
+        tallies = {name: AcceptanceTally.from_tensor(depth, totals[3 + i * width:3 + (i + 1) * width])
+                   for i, name in enumerate(tallies)}
+        result = {"loss": totals[0].item() / totals[2].item(), "top1_agreement": totals[1].item() / totals[2].item(),
+                  "acceptance_length": tallies[own].expected_length,
+                  "acceptance_by_position": tallies[own].acceptance_by_position}
+        if len(tallies) > 1:
+            result["acceptance_by_draft_sampling"] = {name: t.acceptance_by_position for name, t in tallies.items()}
+        return result
 
     def train(self, show_progress: bool) -> int:
         """``epochs`` passes over the buffer, replicas averaged after each; returns tokens trained (all ranks)."""
@@ -193,7 +209,7 @@ def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: 
         train_seqs, train_feats, _ = session.generate_with_features(train_prompts, seed + 1, "responses to train on")
         session.trainer.add_sequences(train_seqs, train_feats)
         tokens = session.train(show_progress=is_reporter)
-        after = session.evaluate(*held_out)
+        after = session.evaluate(*held_out, every_draft_sampling=True)
         figures = {
             "tokens_trained": tokens, "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
             "epochs": settings.epochs, "eval_depth": settings.eval_depth,
@@ -205,6 +221,8 @@ def warm_up_drafter_on_rank(config: TLTConfig, policy_dir: str | None, out_dir: 
             "held_out_acceptance_by_position_after": after["acceptance_by_position"],
             **speculation_gate.measured_at(config),  # what a run that starts from it compares with its own
         }
+        if "acceptance_by_draft_sampling" in after:
+            figures[speculation_gate.BY_DRAFT_SAMPLING_KEY] = after["acceptance_by_draft_sampling"]
         if not is_reporter:
             return None
         source = session.ranks.initial_source

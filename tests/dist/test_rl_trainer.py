@@ -719,6 +719,9 @@ def test_warmup_drafter_distils_the_policy_into_a_servable_drafter_that_agrees_m
     assert len(info["held_out_acceptance_by_position_after"]) == info["eval_depth"]
     # the sampling it was measured at, which a run starting from it compares with its own (speculation_gate.py)
     assert (info["held_out_temperature"], info["held_out_draft_sampling"]) == (1.0, "probabilistic")
+    by_sampling = info["held_out_acceptance_by_draft_sampling_after"]  # the cache key does not hold it
+    assert by_sampling["probabilistic"] == info["held_out_acceptance_by_position_after"]
+    assert len(by_sampling["greedy"]) == info["eval_depth"] and by_sampling["greedy"] != by_sampling["probabilistic"]
 
 
 def test_warmup_drafter_refuses_bad_input_before_starting_ranks(env, tlt_in_process, monkeypatch, tmp_path):

@@ -89,6 +89,8 @@ def test_a_record_measured_at_another_sampling_does_not_judge_the_run(tmp_path):
     run = load_config("tiny", [])  # the tiny default's sampling, as its cold start records it
     same = speculation_gate.measured_at(run)
     assert same == {"held_out_temperature": run.rollout.temperature, "held_out_draft_sampling": "probabilistic"}
+    other = load_config("tiny", ["rollout.temperature=0.5", "speculation.draft_sampling=greedy"])
+    assert speculation_gate.measured_at(other) == {"held_out_temperature": 0.5, "held_out_draft_sampling": "greedy"}
     weak = _judge(_config(_drafter_dir(tmp_path / "same", WEAK[2:], **same)))
     assert not weak.serve and weak.unjudged is None  # measured as the run samples: judged, and turned off
     # the same record measured at half the run's temperature, or with greedy drafts: served as configured, saying why
@@ -102,6 +104,11 @@ def test_a_record_measured_at_another_sampling_does_not_judge_the_run(tmp_path):
             f"{speculation_gate.RECORDED_AS[field]} {value} and this run has {speculation_gate.RECORDED_AS[field]} "
             f"{same[field]}; acceptance moves with sampling, so that record does not judge it)")
         assert json.loads(verdict.to_json())["unjudged"] == verdict.unjudged
+    # a record that measured each draft sampling judges a run of either (a cached cold start serves both)
+    both = {speculation_gate.BY_DRAFT_SAMPLING_KEY: {"greedy": WEAK[2:], "probabilistic": STRONG}}
+    greedy_record = {**same, "held_out_draft_sampling": "greedy", **both}
+    judged = _judge(_config(_drafter_dir(tmp_path / "both", WEAK[2:], **greedy_record)))
+    assert judged.serve and judged.ceiling.speedup > 2.5  # by its probabilistic figures, not its greedy ones
     # a run at that temperature is judged by it
     cooler = _config(_drafter_dir(tmp_path / "cooler-run", WEAK[2:], **{**same, "held_out_temperature": 0.25}),
                      "rollout.temperature=0.25")
@@ -110,7 +117,9 @@ def test_a_record_measured_at_another_sampling_does_not_judge_the_run(tmp_path):
     greedy = {"held_out_temperature": 0.0, "held_out_draft_sampling": "greedy"}
     assert not _judge(_config(_drafter_dir(tmp_path / "greedy-run", WEAK[2:], **greedy), "rollout.temperature=0")).serve
     # the shipped cold start names no sampling (it predates the fields): taken as it is
-    assert "held_out_temperature" not in store.read_drafter_info(SHIPPED) and _judge(_config(SHIPPED)).serve
+    shipped = _judge(_config(SHIPPED))
+    assert "held_out_temperature" not in store.read_drafter_info(SHIPPED)
+    assert shipped.serve and shipped.ceiling is not None and shipped.unjudged is None
 
 
 def test_min_ceiling_is_checked():

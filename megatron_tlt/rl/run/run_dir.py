@@ -70,8 +70,8 @@ def cold_start_fields(run_dir: Path) -> dict:
 def speculation_verdict_fields(run_dir: Path) -> dict:
     """What the run's first step record says of the verdict on its starting drafter (``speculation_verdict.json``,
     ``commands/speculation_gate.py``): ``spec/served`` (whether the engines speculate with it) and
-    ``spec/drafter_ceiling`` (None where the drafter records no held-out acceptance); nothing where no drafter was
-    judged (TLT off, a resumed run)."""
+    ``spec/drafter_ceiling`` (None where the drafter could not be judged: no held-out acceptance at the run's depths
+    and sampling; the verdict file says why); nothing where no drafter was judged (TLT off, a resumed run)."""
     path = run_dir / SPECULATION_VERDICT_FILE
     if not path.is_file():
         return {}
