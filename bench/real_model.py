@@ -23,6 +23,8 @@ Run (after ``bash bench/install_real_model.sh``, the only step that downloads; `
         [-- key=value ...]        # further `tlt train` overrides, e.g. drafter.cold_start.enabled=false
     python bench/real_model.py make-hf DIR      # only the GGUF -> HF conversion, checked
     python bench/real_model.py reference --model DIR --work W   # only the plain-vLLM figures
+    python bench/real_model.py prompts --work W --task one-step --train-prompts 1200 --held-out 64
+                                                # only the prompt files (issue 57's, byte for byte)
 
 By default the training file holds exactly the ``--prompts`` prompts plain vLLM samples and a step takes them all
 (``trainer.prompts_per_step``), so every step of the run answers the very prompts of the reference;
@@ -495,8 +497,9 @@ def main(argv: list[str]) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     make = commands.add_parser("make-hf", help="dequantize the GGUF into an HF directory and check it")
     make.add_argument("dir", type=Path)
-    for name in ("run", "reference"):
-        sub = commands.add_parser(name)
+    for name, what in (("run", None), ("reference", None),
+                       ("prompts", "only write the prompt files (WORK/train.jsonl, WORK/held_out.jsonl)")):
+        sub = commands.add_parser(name, help=what)
         sub.add_argument("--work", type=Path, default=Path("/tmp/real_model"), help="cache and output folder")
         sub.add_argument("--prompts", type=int, default=8, help="prompts plain vLLM samples; prompts a step takes")
         sub.add_argument("--samples", type=int, default=4, help="responses per prompt")
@@ -520,6 +523,10 @@ def main(argv: list[str]) -> None:
         make_hf(args.dir)
         return
     work = args.work.resolve()
+    if args.command == "prompts":
+        train, held_out = _prepare(work, args)
+        print(f"{len(train)} prompts in {work / 'train.jsonl'}, {len(held_out)} in {work / 'held_out.jsonl'}")
+        return
     hf_dir = make_hf(work / "hf")
     train, held_out = _prepare(work, args)
     if args.command == "reference":
